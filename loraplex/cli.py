@@ -1,0 +1,123 @@
+"""loraplex serve | generate | bench — the only argument parsing in the project."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from loraplex.config import EngineConfig
+
+
+def _env(name: str, default=None, cast=str):
+    """LoRAX-style flags may also come from the environment (MODEL_ID, PORT, ...)."""
+    value = os.environ.get(name)
+    return default if value is None else cast(value)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-id", default=_env("MODEL_ID"), help="HF directory, cached repo id or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=_env("DTYPE"), choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=_env("DEVICE"), help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--max-input-length", type=int, default=_env("MAX_INPUT_LENGTH", 4095, int))
+    p.add_argument("--max-total-tokens", type=int, default=_env("MAX_TOTAL_TOKENS", 4096, int))
+    p.add_argument("--max-batch-prefill-tokens", type=int, default=_env("MAX_BATCH_PREFILL_TOKENS", 4096, int))
+    p.add_argument("--max-batch-total-tokens", type=int, default=_env("MAX_BATCH_TOTAL_TOKENS", None, int),
+                   help="KV cache capacity in tokens (default: sized from free memory)")
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model_id=args.model_id,
+        dtype=args.dtype,
+        device=args.device,
+        max_input_length=args.max_input_length,
+        max_total_tokens=args.max_total_tokens,
+        max_batch_prefill_tokens=args.max_batch_prefill_tokens,
+        max_batch_total_tokens=args.max_batch_total_tokens,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from loraplex.engine.engine import Engine
+    from loraplex.params import SamplingParams
+
+    engine = Engine.from_config(_engine_config(args))
+    tokenizer = engine.tokenizer
+    if args.chat:
+        prompt_ids = tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]), add_special_tokens=False
+        )
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature or 1.0,
+        top_p=args.top_p or 1.0,
+        top_k=args.top_k or 0,
+        seed=args.seed,
+        do_sample=any(v is not None for v in (args.temperature, args.top_p, args.top_k, args.seed)),
+    )
+    (result,) = engine.generate([prompt_ids], params)
+    print(result.generated_text)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from loraplex.engine.async_engine import AsyncEngine
+    from loraplex.engine.engine import Engine
+    from loraplex.server.app import create_app
+
+    engine = Engine.from_config(_engine_config(args))
+    app = create_app(AsyncEngine(engine))
+    print(
+        f"loraplex ready: {engine.model_id} on {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
+        f"KV cache {engine.kv_capacity_tokens} tokens, http://{args.hostname}:{args.port}",
+        file=sys.stderr, flush=True,
+    )
+    uvicorn.run(app, host=args.hostname, port=args.port, log_level="warning")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from benchmarks.offline import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplex", description="Multi-LoRA inference server.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start the HTTP server")
+    _add_engine_args(serve)
+    serve.add_argument("--hostname", default=_env("HOSTNAME_BIND", "127.0.0.1"))
+    serve.add_argument("--port", type=int, default=_env("PORT", 8080, int))
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt and print it")
+    gen.add_argument("prompt")
+    _add_engine_args(gen)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user message (chat template)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--seed", type=int)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="offline throughput benchmark against transformers")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Drives the synchronous Engine from one background thread and streams outputs to asyncio callers.
+
+The engine is only ever touched by its thread. Callers talk to it through a command queue
+(add / abort); outputs come back through each request's asyncio.Queue via call_soon_threadsafe.
+The thread blocks on a condition when there is no work, so an idle server burns no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from loraplex.engine.engine import Engine, RequestOutput
+from loraplex.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Subscriber:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: deque[tuple] = deque()
+        self._wake = threading.Condition()
+        self._subscribers: dict[str, _Subscriber] = {}
+        self._ids = itertools.count()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any thread / event loop) ---------------------------------------------------
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields one RequestOutput per generated token; the last has finished=True.
+
+        Raises RequestRefused (before any output) when the engine cannot take the request. Leaving
+        the iteration early (client gone) aborts the request; its KV blocks are freed next step.
+        """
+        request_id = request_id or f"req-{next(self._ids)}"
+        subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
+        self._subscribers[request_id] = subscriber
+        self._send(("add", request_id, prompt_ids, params))
+        finished = False
+        try:
+            while True:
+                item = await subscriber.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._subscribers.pop(request_id, None)
+            if not finished:
+                self._send(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        with self._wake:
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    def _send(self, command: tuple) -> None:
+        with self._wake:
+            self._commands.append(command)
+            self._wake.notify()
+
+    # ---- engine thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped:
+            with self._wake:
+                while not self._stopped and not self._commands and not self.engine.has_unfinished:
+                    self._wake.wait()
+                commands = list(self._commands)
+                self._commands.clear()
+            for command in commands:
+                self._apply(command)
+            if self.engine.has_unfinished:
+                self._step()
+
+    def _apply(self, command: tuple) -> None:
+        if command[0] == "add":
+            _, request_id, prompt_ids, params = command
+            try:
+                self.engine.add_request(prompt_ids, params, request_id)
+            except Exception as error:  # refused: only this caller hears of it
+                self._deliver(request_id, error)
+        else:
+            self.engine.abort_request(command[1])
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # a failed forward fails the running requests, not the server
+            log.exception("engine step failed")
+            for request in list(self.engine.scheduler.running):
+                self.engine.abort_request(request.request_id)
+                self._deliver(request.request_id, RuntimeError(f"generation failed: {error}"))
+            return
+        for output in outputs:
+            self._deliver(output.request_id, output)
+
+    def _deliver(self, request_id: str, item: object) -> None:
+        subscriber = self._subscribers.get(request_id)
+        if subscriber is None:  # caller gone: make sure the engine forgets it too
+            self.engine.abort_request(request_id)
+            return
+        subscriber.loop.call_soon_threadsafe(subscriber.queue.put_nowait, item)

@@ -1,0 +1,237 @@
+"""The engine: `step()` = schedule -> run -> update.
+
+Synchronous and single-threaded; `AsyncEngine` drives it from a background thread for the server.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loraplex.config import EngineConfig, ModelConfig
+from loraplex.engine.kv_cache import blocks_for
+from loraplex.engine.loading import LoadedModel, load_model
+from loraplex.engine.request import FinishReason, Request
+from loraplex.engine.runner import ModelRunner, StepResult
+from loraplex.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from loraplex.params import SamplingParams, TokenInfo
+from loraplex.tokenizer import IncrementalDetokenizer, find_stop
+
+
+class RequestRefused(ValueError):
+    """The engine cannot serve this request as asked (too long, empty, ...). The message says why."""
+
+
+@dataclass
+class RequestOutput:
+    """One request's news from one step: at most one new token, and the result when finished."""
+
+    request_id: str
+    token: TokenInfo | None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    generated_text: str | None = None  # when finished: the whole text, stop sequence cut
+    token_ids: list[int] | None = None  # when finished: every generated token id
+    prompt_tokens: list[TokenInfo] | None = None  # when finished and prompt logprobs were asked for
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    seed: int | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Stream:
+    """Engine-side per-request state that the scheduler does not need."""
+
+    detokenizer: IncrementalDetokenizer | None
+    text_end: int | None = None  # where the stop sequence begins, once matched
+    first_token_time: float | None = None
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config: ModelConfig = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_id = loaded.model_id
+        self.device, self.dtype = loaded.device, loaded.dtype
+        num_blocks = self._kv_cache_blocks(loaded)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=num_blocks,
+                block_size=config.block_size,
+                max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+                max_num_seqs=config.max_num_seqs,
+                watermark_blocks=max(1, num_blocks // 100),
+            )
+        )
+        mc = loaded.config
+        self.runner = ModelRunner(
+            loaded.model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, config.block_size,
+            loaded.device, loaded.dtype,
+        )
+        self._streams: dict[str, _Stream] = {}
+        self._next_id = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "Engine":
+        return cls(load_model(config), config)
+
+    # ---- capacity ---------------------------------------------------------------------------------
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.scheduler.config.num_blocks * self.scheduler.config.block_size
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The longest sequence (prompt + generated) one request may reach."""
+        return min(self.config.max_total_tokens, self.model_config.max_position_embeddings, self.kv_capacity_tokens)
+
+    def _kv_cache_blocks(self, loaded: LoadedModel) -> int:
+        cfg = self.config
+        if cfg.max_batch_total_tokens is not None:
+            return blocks_for(cfg.max_batch_total_tokens, cfg.block_size)
+        mc = loaded.config
+        bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * loaded.dtype.itemsize
+        if loaded.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(loaded.device)
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        tokens = int(free * cfg.kv_cache_memory_fraction) // bytes_per_token
+        # At least one longest request; at most what 1024 such requests could use.
+        tokens = max(cfg.max_total_tokens, min(tokens, 1024 * cfg.max_total_tokens))
+        return blocks_for(tokens, cfg.block_size)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        if not prompt_ids:
+            raise RequestRefused("the prompt is empty")
+        if len(prompt_ids) > self.config.max_input_length:
+            raise RequestRefused(
+                f"prompt has {len(prompt_ids)} tokens; must be <= {self.config.max_input_length} (max input length)"
+            )
+        limit = self.max_total_tokens
+        if len(prompt_ids) + params.max_new_tokens > limit:
+            raise RequestRefused(
+                f"prompt tokens ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) "
+                f"must be <= {limit} (max total tokens)"
+            )
+        if request_id is None:
+            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        request = Request(request_id, list(prompt_ids), params, seed, time.monotonic())
+        detok = (
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            if self.tokenizer is not None
+            else None
+        )
+        self.scheduler.add(request)
+        self._streams[request_id] = _Stream(detok)
+        return request
+
+    def abort_request(self, request_id: str) -> bool:
+        request = self.scheduler.abort(request_id)
+        self._streams.pop(request_id, None)
+        return request is not None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        results = self.runner.execute(plan.scheduled)
+        return self._update(plan, results)
+
+    def _update(self, plan: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        for item, result in zip(plan.scheduled, results):
+            request = item.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            if result.prompt_logprobs:
+                request.prompt_logprobs = (request.prompt_logprobs or []) + result.prompt_logprobs
+            request.num_computed_tokens += item.num_new_tokens
+            if result.token_id is not None:
+                outputs.append(self._append_token(request, result, now))
+        return outputs
+
+    def _append_token(self, request: Request, result: StepResult, now: float) -> RequestOutput:
+        token_id = result.token_id
+        stream = self._streams[request.request_id]
+        stream.first_token_time = stream.first_token_time or now
+        request.output_ids.append(token_id)
+        piece = stream.detokenizer.add(token_id) if stream.detokenizer else ""
+        token = TokenInfo(
+            id=token_id,
+            text=piece,
+            logprob=result.logprob,
+            special=self.tokenizer.is_special(token_id) if self.tokenizer else False,
+            top_tokens=[self._token_info(t, lp) for t, lp in result.top_tokens],
+        )
+        reason = self._finish_reason(request, token_id, piece, stream)
+        if reason is None:
+            return RequestOutput(request.request_id, token, seed=request.seed)
+        self.scheduler.finish(request, reason)
+        del self._streams[request.request_id]
+        return self._final_output(request, token, stream, now)
+
+    def _finish_reason(self, request: Request, token_id: int, piece: str, stream: _Stream) -> FinishReason | None:
+        params = request.params
+        eos_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
+        if (token_id in eos_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+            return FinishReason.EOS_TOKEN
+        if params.stop and stream.detokenizer is not None:
+            stop_at = find_stop(stream.detokenizer.text, len(piece), params.stop)
+            if stop_at is not None:
+                stream.text_end = stop_at
+                return FinishReason.STOP_SEQUENCE
+        if len(request.output_ids) >= params.max_new_tokens or request.num_tokens >= self.max_total_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _final_output(self, request: Request, token: TokenInfo, stream: _Stream, now: float) -> RequestOutput:
+        text = stream.detokenizer.text[: stream.text_end] if stream.detokenizer else ""
+        prompt_tokens = None
+        if request.params.prompt_logprobs and request.prompt_logprobs is not None:
+            prompt_tokens = [self._token_info(t, lp) for t, lp in zip(request.prompt_ids, request.prompt_logprobs)]
+        timings = {
+            "queue": (request.first_scheduled_time or now) - request.arrival_time,
+            "first_token": (stream.first_token_time or now) - request.arrival_time,
+            "total": now - request.arrival_time,
+        }
+        return RequestOutput(
+            request.request_id, token, finished=True, finish_reason=request.finish_reason, generated_text=text,
+            token_ids=list(request.output_ids),
+            prompt_tokens=prompt_tokens, num_prompt_tokens=len(request.prompt_ids),
+            num_generated_tokens=len(request.output_ids), seed=request.seed, timings=timings,
+        )
+
+    def _token_info(self, token_id: int, logprob: float | None) -> TokenInfo:
+        if self.tokenizer is None:
+            return TokenInfo(token_id, "", logprob)
+        return TokenInfo(token_id, self.tokenizer.token_text(token_id), logprob, self.tokenizer.is_special(token_id))
+
+    # ---- convenience ------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts to completion (offline use and tests); final outputs in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        finals: dict[str, RequestOutput] = {}
+        while self.has_unfinished:
+            for out in self.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        return [finals[r.request_id] for r in requests]

@@ -1,0 +1,65 @@
+"""Per-request state that lives across engine steps. Pure Python (the scheduler imports it)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from loraplex.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_SEQUENCE = "stop_sequence"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # the effective seed (params.seed, or one the engine picked)
+    arrival_time: float
+    output_ids: list[int] = field(default_factory=list)
+    # Tokens whose keys/values are in the KV cache. A decoding request has exactly one more token
+    # (the last sampled) than it has computed.
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    # Filled once by the first prefill that covers the prompt (never recomputed after preemption).
+    prompt_logprobs: list[float | None] | None = None
+    first_scheduled_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,132 @@
+"""Turns one scheduled step into flat tensors, runs the model once, and samples.
+
+Nothing here persists between steps except the KV cache tensors: batch tensors are rebuilt from
+per-request state every step, so a request that finishes simply stops being scheduled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from loraplex.engine.scheduler import ScheduledRequest
+from loraplex.layers.attention import AttentionBackend, TorchAttentionBackend
+from loraplex.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
+from loraplex.sampling import Sampler, token_logprobs
+
+
+@dataclass
+class StepResult:
+    """What one scheduled request got from the step."""
+
+    token_id: int | None = None  # None while its prompt is still being prefilled in chunks
+    logprob: float | None = None
+    top_tokens: list[tuple[int, float]] = field(default_factory=list)
+    # Log-probabilities of the prompt tokens this step covered (first prompt token: None).
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+
+
+class ModelRunner:
+    def __init__(
+        self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+        block_size: int, device: torch.device, dtype: torch.dtype, backend: AttentionBackend | None = None,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.backend = backend or TorchAttentionBackend()
+        self.kv_caches = self.backend.allocate_kv_cache(
+            num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device
+        )
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> list[StepResult]:
+        batch = self._build_batch(scheduled)
+        ctx = ForwardContext(batch.metadata, self.kv_caches, self.backend)
+        with forward_context(ctx):
+            hidden = self.model(batch.input_ids, batch.positions)
+
+        results = [StepResult() for _ in scheduled]
+        sample_seqs = [i for i, s in enumerate(scheduled) if s.completes_sequence]
+        starts = batch.metadata.query_start_loc
+        if sample_seqs:
+            rows = torch.tensor([starts[i + 1] - 1 for i in sample_seqs], device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            requests = [scheduled[i].request for i in sample_seqs]
+            out = self.sampler(
+                logits,
+                [r.params for r in requests],
+                [r.prompt_ids for r in requests],
+                [r.output_ids for r in requests],
+                [r.seed for r in requests],
+            )
+            for j, i in enumerate(sample_seqs):
+                results[i].token_id = out.token_ids[j]
+                results[i].logprob = out.logprobs[j]
+                results[i].top_tokens = out.top_tokens[j]
+        for i, item in enumerate(scheduled):
+            if item.request.params.prompt_logprobs and item.request.prompt_logprobs is None:
+                results[i].prompt_logprobs = self._prompt_logprobs(item, hidden[starts[i] : starts[i + 1]])
+        return results
+
+    def _prompt_logprobs(self, item: ScheduledRequest, hidden: torch.Tensor) -> list[float | None]:
+        """Log-probability of each prompt token this step covers, given the tokens before it."""
+        request = item.request
+        start = request.num_computed_tokens
+        end = min(start + item.num_new_tokens, len(request.prompt_ids))
+        values: list[float | None] = [None] if start == 0 else []
+        first = max(start, 1)  # token `first` is predicted by the row of position first - 1
+        if end > first:
+            rows = hidden[first - 1 - start : end - 1 - start]
+            targets = torch.tensor(request.prompt_ids[first:end], device=self.device)
+            values += token_logprobs(self.model.compute_logits(rows), targets).tolist()
+        return values
+
+    def _build_batch(self, scheduled: list[ScheduledRequest]) -> _Batch:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        decode_seqs: list[int] = []
+        prefill_seqs: list[int] = []
+        for s, item in enumerate(scheduled):
+            request = item.request
+            start, end = request.num_computed_tokens, request.num_computed_tokens + item.num_new_tokens
+            blocks = request.block_ids
+            input_ids += request.token_slice(start, end)
+            positions += range(start, end)
+            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
+            seq_lens.append(end)
+            (decode_seqs if item.num_new_tokens == 1 else prefill_seqs).append(s)
+
+        max_blocks = max(len(item.request.block_ids) for item in scheduled)
+        tables = [item.request.block_ids + [0] * (max_blocks - len(item.request.block_ids)) for item in scheduled]
+        dev = self.device
+
+        def long(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
+        metadata = AttentionMetadata(
+            slot_mapping=long(slots),
+            block_tables=long(tables),
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            seq_lens_tensor=long(seq_lens),
+            decode_seqs=long(decode_seqs),
+            decode_rows=long([query_start_loc[s] for s in decode_seqs]),
+            prefill_seqs=prefill_seqs,
+        )
+        return _Batch(long(input_ids), long(positions), metadata)

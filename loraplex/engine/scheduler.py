@@ -1,0 +1,160 @@
+"""Decides, each step, which requests run and how many tokens each computes. Pure Python.
+
+Policy:
+- Running requests go first, oldest first; each gets its next token (or the next chunk of a prompt
+  that did not fit one step). When the KV cache has no block for one, the most recently admitted
+  running request is preempted (its blocks freed; it is recomputed from its tokens later).
+- Waiting requests are admitted first-come first-served while the step's prefill token budget, the
+  running-request cap and the free KV blocks (less a small watermark) allow. A prompt longer than the
+  budget is prefilled in chunks over several steps.
+- No admission in a step that had to preempt: the cache is full, admitting would only thrash.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from loraplex.engine.kv_cache import BlockAllocator, blocks_for
+from loraplex.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_batch_prefill_tokens: int = 4096
+    max_num_seqs: int = 256
+    watermark_blocks: int = 0  # kept free at admission so running requests can grow a little
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed for it this step, from request.num_computed_tokens on
+
+    @property
+    def completes_sequence(self) -> bool:
+        """After this step every known token is computed, so the step samples a next token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.allocator = BlockAllocator(config.num_blocks, config.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self._by_id: dict[str, Request] = {}
+
+    # ---- membership -------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        assert request.request_id not in self._by_id, f"duplicate request id {request.request_id}"
+        # The engine refuses longer requests, so a request running alone always fits.
+        longest = len(request.prompt_ids) + request.params.max_new_tokens
+        assert blocks_for(longest, self.config.block_size) <= self.config.num_blocks, (
+            "request can never fit the KV cache; the engine must refuse it"
+        )
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self._by_id[request.request_id] = request
+
+    def get(self, request_id: str) -> Request | None:
+        return self._by_id.get(request_id)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Remove a request for good (finished or aborted) and free its blocks."""
+        if request.status is RequestStatus.FINISHED:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._release_blocks(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self._by_id[request.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self._by_id.get(request_id)
+        if request is not None:
+            self.finish(request, FinishReason.ABORTED)
+        return request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_batch_prefill_tokens
+        index = 0
+        while index < len(self.running):
+            request = self.running[index]
+            n = request.num_uncomputed_tokens
+            if n > 1:  # an unfinished (chunked) prefill draws on the prefill budget
+                n = min(n, budget)
+                if n == 0:
+                    index += 1
+                    continue
+            needed = self._blocks_needed(request, n)
+            while not self.allocator.can_allocate(needed) and self.running[-1] is not request:
+                out.preempted.append(self._preempt(self.running[-1]))
+            if not self.allocator.can_allocate(needed):
+                out.preempted.append(self._preempt(request))  # it is the last one left to give
+                break
+            if n > 1:
+                budget -= n
+            request.block_ids.extend(self.allocator.allocate(needed))
+            out.scheduled.append(ScheduledRequest(request, n))
+            index += 1
+
+        if out.preempted:
+            return out
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            request = self.waiting[0]
+            n = min(request.num_uncomputed_tokens, budget)
+            needed = self._blocks_needed(request, n)
+            if not self.allocator.can_allocate(needed + self.config.watermark_blocks):
+                break
+            self.waiting.popleft()
+            request.block_ids.extend(self.allocator.allocate(needed))
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, n))
+            if n > 1:
+                budget -= n
+        return out
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        total = request.num_computed_tokens + num_new_tokens
+        return max(0, blocks_for(total, self.config.block_size) - len(request.block_ids))
+
+    def _preempt(self, request: Request) -> Request:
+        """Recompute preemption: forget the request's KV; it re-enters the queue at the front."""
+        self.running.remove(request)
+        self._release_blocks(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        return request
+
+    def _release_blocks(self, request: Request) -> None:
+        self.allocator.free(request.block_ids)
+        request.block_ids = []

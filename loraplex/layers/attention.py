@@ -1,0 +1,129 @@
+"""Paged causal self-attention: the layer models use, and the backends that compute it.
+
+A backend owns the KV cache layout: `allocate_kv_cache` makes one cache per layer and `forward`
+writes a step's new keys/values into it and attends over each sequence's cached context. The plain
+PyTorch backend here runs on CPU and CUDA; GPU kernels plug in as other backends.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex.layers.forward_context import AttentionMetadata, get_forward_context
+
+
+class AttentionBackend(Protocol):
+    def allocate_kv_cache(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device,
+    ) -> list[object]: ...
+
+    def forward(
+        self, layer: "PagedAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        kv_cache: object, md: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+
+class PagedAttention(nn.Module):
+    """q [T, H, D], k/v [T, Hkv, D] for the step's new tokens -> output [T, H, D]."""
+
+    def __init__(
+        self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        return ctx.backend.forward(self, q, k, v, ctx.kv_caches[self.layer_index], ctx.attn_metadata)
+
+
+class TorchAttentionBackend:
+    """Reference backend: scaled_dot_product_attention over keys gathered from the block table.
+
+    Decode rows (one new token per sequence) are batched into one SDPA call over a padded gather;
+    prefill sequences are computed one at a time (a fresh prompt needs no gather at all).
+    Cache layout per layer: (keys, values), each [num_blocks, block_size, Hkv, D].
+    """
+
+    def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+
+    def forward(self, layer, q, k, v, kv_cache, md):
+        key_cache, value_cache = kv_cache
+        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        if md.decode_rows.numel():
+            out[md.decode_rows] = self._decode(layer, q[md.decode_rows], key_cache, value_cache, md)
+        for s in md.prefill_seqs:
+            start, end = md.query_start_loc[s], md.query_start_loc[s + 1]
+            seq_len = md.seq_lens[s]
+            if seq_len == end - start:  # nothing cached before this step: use the new k/v directly
+                keys, values = k[start:end], v[start:end]
+            else:
+                keys, values = self._gather(key_cache, value_cache, md.block_tables[s : s + 1], seq_len)
+                keys, values = keys[0], values[0]
+            out[start:end] = self._prefill(layer, q[start:end], keys, values, seq_len)
+        return out
+
+    @staticmethod
+    def _gather(key_cache, value_cache, block_tables, max_len):
+        """[B, blocks] -> keys/values [B, max_len, Hkv, D] (padding rows hold stale data; mask them)."""
+        batch = block_tables.shape[0]
+        block_size = key_cache.shape[1]
+        nb = -(-max_len // block_size)
+        table = block_tables[:, :nb]
+        keys = key_cache[table].reshape(batch, nb * block_size, *key_cache.shape[2:])[:, :max_len]
+        values = value_cache[table].reshape(batch, nb * block_size, *value_cache.shape[2:])[:, :max_len]
+        return keys, values
+
+    def _decode(self, layer, q, key_cache, value_cache, md):
+        seq_lens = md.seq_lens_tensor[md.decode_seqs]
+        max_len = int(seq_lens.max())
+        keys, values = self._gather(key_cache, value_cache, md.block_tables[md.decode_seqs], max_len)
+        key_pos = torch.arange(max_len, device=q.device)
+        visible = key_pos[None, :] < seq_lens[:, None]
+        if layer.sliding_window is not None:
+            visible &= key_pos[None, :] >= (seq_lens[:, None] - layer.sliding_window)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [Bd, H, 1, D]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=visible[:, None, None, :],
+            scale=layer.scale,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
+        )
+        return out.squeeze(2)
+
+    def _prefill(self, layer, q, keys, values, seq_len):
+        num_new = q.shape[0]
+        context = seq_len - num_new
+        qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+        gqa = layer.num_heads != layer.num_kv_heads
+        if context == 0 and layer.sliding_window is None:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=layer.scale, enable_gqa=gqa)
+        else:
+            q_pos = torch.arange(context, seq_len, device=q.device)[:, None]
+            k_pos = torch.arange(seq_len, device=q.device)[None, :]
+            visible = k_pos <= q_pos
+            if layer.sliding_window is not None:
+                visible &= k_pos > q_pos - layer.sliding_window
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, scale=layer.scale, enable_gqa=gqa)
+        return out.transpose(0, 1)

@@ -1,0 +1,62 @@
+"""The per-step forward context: what the runner knows about the batch that some layers need.
+
+The runner sets it with `with forward_context(ctx):` around one forward pass; attention layers read
+it. Model code never sees it, so model `forward` signatures stay those of a plain model.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Flat description of one step's sequences. Tensors live on the model's device.
+
+    Tokens of all sequences are concatenated: sequence `s` owns rows
+    `query_start_loc[s] : query_start_loc[s + 1]` and has `seq_lens[s]` tokens in total after this
+    step (context already cached + new rows).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    seq_lens: list[int]  # per sequence, context + new
+    query_start_loc: list[int]  # [B + 1]
+    seq_lens_tensor: torch.Tensor  # [B] int64
+    # Sequences that compute exactly one token, batched together (decode rows).
+    decode_seqs: torch.Tensor  # [Bd] int64 sequence indices
+    decode_rows: torch.Tensor  # [Bd] int64 token rows
+    prefill_seqs: list[int]  # the other sequences, handled one by one
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata
+    kv_caches: list[Any]  # per attention layer, in the backend's own layout
+    backend: Any  # an AttentionBackend
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    previous, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    assert _current is not None, "attention ran outside a forward_context() block"
+    return _current

@@ -1,0 +1,57 @@
+"""Rotary position embeddings (rotate-half layout), with linear and Llama 3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from loraplex.config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
+    # Explicitly on the CPU: models are built under torch.device("meta"), and this is no weight.
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.kind == "linear":
+        return inv_freq / rope.factor
+    if rope.kind == "llama3":
+        return _llama3_scaled(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    old_context = rope.original_max_position_embeddings
+    low_freq_wavelen = old_context / rope.low_freq_factor
+    high_freq_wavelen = old_context / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_context / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
+        super().__init__()
+        # A plain attribute, not a buffer: it is derived from the config, never loaded, and must
+        # survive building the model on the meta device. It follows the inputs' device on first use.
+        self.inv_freq = inverse_frequencies(rope, head_dim)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; q [T, H, D], k [T, Hkv, D]. Angles in float32, as the reference computes them."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(q.dtype)[:, None, :]
+        sin = emb.sin().to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -1,0 +1,1 @@
+"""Model code: one file per family; no batching, no adapters, no HTTP."""

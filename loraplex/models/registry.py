@@ -1,0 +1,21 @@
+"""Maps a normalised config to its model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from loraplex.config import ModelConfig
+from loraplex.models.llama import LlamaForCausalLM
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+}
+
+
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    try:
+        return MODEL_CLASSES[config.model_type]
+    except KeyError:
+        raise ValueError(f"no model for model_type {config.model_type!r}") from None

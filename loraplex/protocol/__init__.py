@@ -1,0 +1,1 @@
+"""Request/response schemas and validation: the edge where user input becomes SamplingParams."""

