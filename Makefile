@@ -23,7 +23,7 @@ serve: install
 	$(VENV)/bin/loraplex serve --hostname $(HOST) --port $(PORT)
 
 test: install
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q tests --ignore=tests/gpu
 
 bench: install
 	$(VENV)/bin/loraplex bench

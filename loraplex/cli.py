@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 from loraplex.config import EngineConfig
@@ -72,12 +73,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = Engine.from_config(_engine_config(args))
     app = create_app(AsyncEngine(engine))
+    # Bind before saying "ready": from that line on, connections queue in the backlog.
+    family = socket.getaddrinfo(args.hostname, args.port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.hostname, args.port))
+    sock.listen(2048)
     print(
         f"loraplex ready: {engine.model_id} on {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
         f"KV cache {engine.kv_capacity_tokens} tokens, http://{args.hostname}:{args.port}",
         file=sys.stderr, flush=True,
     )
-    uvicorn.run(app, host=args.hostname, port=args.port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     return 0
 
 

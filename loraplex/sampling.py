@@ -5,13 +5,20 @@ Pipeline per row, in the order Hugging Face transformers applies it:
     repetition penalty (prompt + generated ids) -> frequency / presence penalties (generated ids)
     -> temperature -> [reported logprobs taken here] -> top_k -> top_p -> min_p -> typical_p -> draw
 
-Greedy rows take the argmax after the penalties. Sampled rows draw by inverse CDF, in vocabulary order,
-with one uniform number that is a pure function of (seed, step): a row's token depends only on its own
-logits, its seed and ``len(output_ids)``, never on the other rows of the batch or its position in it, so
-a preempted request that is recomputed draws the same tokens. Every per-row computation below uses only
-kernels whose result for a row does not depend on the batch shape (softmax, log_softmax, amax, argmax,
-topk, sort, cumsum, searchsorted); plain ``sum``/``logsumexp`` are avoided because on CPU their
-per-row results change with the batch shape.
+Greedy rows take the argmax after the penalties. A sampled row's draw is a pure function of its own
+filtered logits and a 64-bit key mixed from (seed, step = len(output_ids)): never of the other rows of
+the batch or of its position in it, so a preempted request that is recomputed draws the same tokens.
+
+- On CPU: inverse CDF in vocabulary order with one uniform number taken from the key. CPU ``cumsum``
+  scans each row sequentially, so a row's sums do not depend on the batch (drawing V exponentials per
+  row from a torch.Generator costs ~1 ms per row on CPU, too much at 256 rows a step).
+- Elsewhere (CUDA): the exponential race, ``argmax(probs / E)`` with E ~ Exp(1) from a per-row
+  torch.Generator seeded with the key: only elementwise ops and an argmax, exact in any batch (CUDA's
+  ``cumsum`` kernels depend on the batch shape, so inverse CDF would not be).
+
+The filters avoid row reductions whose result depends on the batch shape (on CPU ``sum``/``logsumexp``
+do; softmax, log_softmax, amax, argmax, topk, sort and CPU cumsum do not). On CUDA the top-p / typical-p
+cut-offs use a cumsum, so there a cut-off can move only when the mass lands within rounding of top_p.
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ class Sampler:
         n = logits.shape[0]
         if not (len(params) == len(prompt_ids) == len(output_ids) == len(seeds) == n):
             raise ValueError("logits, params, prompt_ids, output_ids and seeds must have one entry per row")
+        if n == 0:
+            return SamplerOutput(token_ids=[], logprobs=[], top_tokens=[])
         device = logits.device
 
         x = _apply_penalties(logits.float(), logits, params, prompt_ids, output_ids)
@@ -80,7 +89,7 @@ class Sampler:
             else:
                 sub = x.index_select(0, rows)
             _filter(sub, [params[i] for i in sampled])
-            tokens[rows] = _draw(sub, [_uniform(seeds[i], len(output_ids[i])) for i in sampled])
+            tokens[rows] = _draw(sub, [_draw_key(seeds[i], len(output_ids[i])) for i in sampled])
 
         chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         return SamplerOutput(
@@ -171,8 +180,8 @@ def _filter(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
 
     if any(p.top_k > 0 for p in params):
         sub, rows = _select(x, [p.top_k > 0 for p in params])
-        ks = torch.tensor([min(p.top_k, x.shape[1]) for p in params if p.top_k > 0], device=device).unsqueeze(1)
-        kth = torch.topk(sub, int(ks.max()), dim=1).values.gather(1, ks - 1)
+        ks = [min(p.top_k, x.shape[1]) for p in params if p.top_k > 0]
+        kth = torch.topk(sub, max(ks), dim=1).values.gather(1, torch.tensor(ks, device=device).unsqueeze(1) - 1)
         _commit(x, rows, sub.masked_fill_(sub < kth, _NEG_INF))  # HF: ties with the k-th survive
 
     if any(p.top_p < 1.0 for p in params):
@@ -219,8 +228,8 @@ def _mass_cutoff(key: torch.Tensor, logp: torch.Tensor, mass: torch.Tensor, larg
     of the first token at which the cumulative probability reaches ``mass`` (HF's top-p / typical-p rule).
     Returns [R, 1]; callers drop the tokens ordered after it (ties with it stay).
 
-    Looks at each row's ``_PREFIX_SIZES`` smallest keys first and sorts the whole row only when the cut-off
-    lies beyond them; the prefix cumsum is the same whichever length it is computed over.
+    Looks at each row's first ``_PREFIX_SIZES`` keys in that order (a topk) and sorts the whole row only when
+    the cut-off lies beyond them; a prefix's cumsum is the same whichever length it is computed over.
     """
     n, vocab = key.shape
     cutoff = torch.empty(n, 1, dtype=key.dtype, device=key.device)
@@ -249,18 +258,33 @@ def _mass_cutoff(key: torch.Tensor, logp: torch.Tensor, mass: torch.Tensor, larg
 # ---------------------------------------------------------------------------------------------- draw
 
 
-def _draw(x: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
-    """Inverse-CDF draw per row, in vocabulary order, with the row's own uniform number in [0, 1).
+def _draw(x: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    """One token per row of filtered logits x, row i drawn with the 64-bit key keys[i]."""
+    return _draw_inverse_cdf(x, keys) if x.device.type == "cpu" else _draw_race(x, keys)
 
-    Filtered tokens have probability 0, so the cumulative sum does not rise on them and they cannot be drawn.
-    """
-    cum = torch.softmax(x.double(), dim=1).float().cumsum(dim=1)
+
+def _draw_inverse_cdf(x: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    """Inverse CDF in vocabulary order. Removed tokens have probability 0: the cumulative sum does not rise
+    on them, so they cannot be drawn."""
+    cum = torch.softmax(x, dim=1).cumsum(dim=1)
     total = cum[:, -1:].contiguous()
-    u = torch.tensor(uniforms, dtype=torch.float32, device=x.device).unsqueeze(1)
+    u = torch.tensor([(k >> 11) * 2.0**-53 for k in keys], dtype=torch.float32, device=x.device).unsqueeze(1)
     idx = torch.searchsorted(cum, u * total, right=True)
     # u * total can round up to total: fall back to the last token with non-zero probability.
     last = torch.searchsorted(cum, total, right=False)
     return torch.minimum(idx, last).squeeze(1)
+
+
+def _draw_race(x: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    """Exponential race: argmax(probs / E), E ~ Exp(1) drawn from a generator seeded with the row's key."""
+    noise = torch.empty_like(x)
+    gen = torch.Generator(device=x.device)
+    for row, key in zip(noise, keys):
+        gen.manual_seed(key)
+        row.exponential_(generator=gen)
+    # E == 0 would turn a removed token's 0 / 0 into NaN, which argmax would pick.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (torch.softmax(x, dim=1) / noise).argmax(dim=1)
 
 
 def _splitmix64(z: int) -> int:
@@ -270,10 +294,9 @@ def _splitmix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def _uniform(seed: int, step: int) -> float:
-    """A uniform number in [0, 1) that depends only on (seed, step): the same on any device and in any batch."""
-    h = _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
-    return (h >> 11) * 2.0**-53
+def _draw_key(seed: int, step: int) -> int:
+    """A well-mixed 64-bit key from (seed, step), so that nearby seeds and steps give unrelated draws."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
 
 
 # ---------------------------------------------------------------------------------------------- reporting

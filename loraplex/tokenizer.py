@@ -88,12 +88,14 @@ class IncrementalDetokenizer:
     TGI's prefix_offset / read_offset scheme: decode a short window of recent ids twice, without and with the
     ids not yet emitted, and emit the difference. A window ending in U+FFFD is an incomplete character
     (a byte-level BPE or byte-fallback sequence cut short): hold it back until a later token completes it.
+    The window starts with the last few prompt tokens, so the first piece continues the prompt text (with a
+    SentencePiece tokenizer it keeps the leading space that decoding the generated ids alone would drop).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
+        self._ids: list[int] = list(prompt_ids[max(0, len(prompt_ids) - _PROMPT_CONTEXT) :])
         self._prefix_offset = 0  # window start
         self._read_offset = len(self._ids)  # ids before this are already emitted (or are prompt)
         self._prefix_text: str | None = None  # decode(ids[prefix:read]), cached while the offsets stay put

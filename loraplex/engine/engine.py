@@ -183,6 +183,8 @@ class Engine:
         reason = self._finish_reason(request, token_id, piece, stream)
         if reason is None:
             return RequestOutput(request.request_id, token, seed=request.seed)
+        if reason is not FinishReason.STOP_SEQUENCE and stream.detokenizer is not None:
+            token.text += stream.detokenizer.flush()  # bytes held back for an unfinished character
         self.scheduler.finish(request, reason)
         del self._streams[request.request_id]
         return self._final_output(request, token, stream, now)

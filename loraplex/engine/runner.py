@@ -75,20 +75,26 @@ class ModelRunner:
                 results[i].logprob = out.logprobs[j]
                 results[i].top_tokens = out.top_tokens[j]
         for i, item in enumerate(scheduled):
-            if item.request.params.prompt_logprobs and item.request.prompt_logprobs is None:
+            request = item.request
+            if request.params.prompt_logprobs and len(request.prompt_logprobs or []) < len(request.prompt_ids):
                 results[i].prompt_logprobs = self._prompt_logprobs(item, hidden[starts[i] : starts[i + 1]])
         return results
 
     def _prompt_logprobs(self, item: ScheduledRequest, hidden: torch.Tensor) -> list[float | None]:
-        """Log-probability of each prompt token this step covers, given the tokens before it."""
+        """Log-probabilities of the prompt tokens this step can score, given the tokens before each.
+
+        Prompt token i is scored by the row of position i - 1, so a chunk [start, end) scores tokens
+        start + 1 .. end; token 0 has none. Tokens already scored (before a preemption) are skipped.
+        """
         request = item.request
         start = request.num_computed_tokens
-        end = min(start + item.num_new_tokens, len(request.prompt_ids))
-        values: list[float | None] = [None] if start == 0 else []
-        first = max(start, 1)  # token `first` is predicted by the row of position first - 1
-        if end > first:
-            rows = hidden[first - 1 - start : end - 1 - start]
-            targets = torch.tensor(request.prompt_ids[first:end], device=self.device)
+        have = len(request.prompt_logprobs or [])
+        values: list[float | None] = [None] if have == 0 else []
+        first = max(have, start + 1)
+        last = min(start + item.num_new_tokens, len(request.prompt_ids) - 1)  # inclusive
+        if last >= first:
+            rows = hidden[first - 1 - start : last - start]
+            targets = torch.tensor(request.prompt_ids[first : last + 1], device=self.device)
             values += token_logprobs(self.model.compute_logits(rows), targets).tolist()
         return values
 

@@ -26,9 +26,9 @@ TEXTS = [
 ]
 
 
-def workload(tokenizer, n: int = 16, seed: int = 0, **params):
+def workload(tokenizer, n: int = 16, rng_seed: int = 0, **params):
     """n prompts of different lengths (some repeated words to vary length) and different output lengths."""
-    rng = random.Random(seed)
+    rng = random.Random(rng_seed)
     prompts, plist = [], []
     for i in range(n):
         text = TEXTS[i % len(TEXTS)] + " and then" * rng.randint(0, 12)
@@ -53,9 +53,13 @@ def test_batch_invariance(make_engine, embedded, sampling):
 
 
 def test_preempted_requests_resume_exactly(make_engine, embedded):
-    prompts, plist = workload(embedded.tokenizer, n=12, seed=3)
+    # 8 requests of 20 prompt + 40 new tokens (4 blocks each at the end) over an 8-block cache: three
+    # are admitted, and they outgrow the cache while decoding.
+    tok = embedded.tokenizer
+    prompts = [tok.encode(" ".join(TEXTS[i : i + 4]))[:20] for i in range(8)]
+    plist = [SamplingParams(max_new_tokens=40, ignore_eos=True)] * 8
     reference = solo(make_engine, prompts, plist)
-    engine = make_engine(max_batch_total_tokens=160)  # 10 blocks for 12 requests of up to ~70 tokens
+    engine = make_engine(max_batch_total_tokens=128)
     requests = [engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
     finals = {}
     while engine.has_unfinished:
@@ -68,7 +72,7 @@ def test_preempted_requests_resume_exactly(make_engine, embedded):
 
 
 def test_chunked_prefill_matches_one_shot_prefill(make_engine, embedded):
-    prompts, plist = workload(embedded.tokenizer, n=6, seed=5)
+    prompts, plist = workload(embedded.tokenizer, n=6, rng_seed=5)
     reference = solo(make_engine, prompts, plist)
     chunked = make_engine(max_batch_prefill_tokens=7)  # every prompt spans several steps
     assert [r.token_ids for r in chunked.generate(prompts, plist)] == reference
@@ -76,7 +80,7 @@ def test_chunked_prefill_matches_one_shot_prefill(make_engine, embedded):
 
 def test_abort_frees_blocks_at_once(make_engine, embedded):
     engine = make_engine()
-    prompts, plist = workload(embedded.tokenizer, n=4, seed=7)
+    prompts, plist = workload(embedded.tokenizer, n=4, rng_seed=7)
     ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, plist)]
     engine.step()
     assert engine.scheduler.allocator.num_used > 0

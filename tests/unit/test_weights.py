@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from torch import nn
 
-from loraplex import gguf_convert, weights
+from loraplex import gguf_convert
 from loraplex.gguf_convert import convert_gguf
 from loraplex.weights import ModelSource, WeightsError, load_into, load_state_dict, resolve_model
 
