@@ -107,5 +107,7 @@ class EngineConfig:
     max_num_seqs: int = 256  # requests running at once
     max_input_length: int = 4095
     max_total_tokens: int = 4096
-    kv_cache_memory_fraction: float = 0.2  # of free memory, when max_batch_total_tokens is None
+    # Of free device memory (default 0.85 on CUDA; on CPU 0.1 of available RAM, at most 2 GiB), when
+    # max_batch_total_tokens is None.
+    kv_cache_memory_fraction: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)

@@ -6,19 +6,19 @@ Pipeline per row, in the order Hugging Face transformers applies it:
     -> temperature -> [reported logprobs taken here] -> top_k -> top_p -> min_p -> typical_p -> draw
 
 Greedy rows take the argmax after the penalties. A sampled row's draw is a pure function of its own
-filtered logits and a 64-bit key mixed from (seed, step = len(output_ids)): never of the other rows of
-the batch or of its position in it, so a preempted request that is recomputed draws the same tokens.
+filtered logits and a key mixed from (seed, step = len(output_ids)): never of the other rows of the
+batch or of its position in it, so a preempted request that is recomputed draws the same tokens.
 
-- On CPU: inverse CDF in vocabulary order with one uniform number taken from the key. CPU ``cumsum``
-  scans each row sequentially, so a row's sums do not depend on the batch (drawing V exponentials per
-  row from a torch.Generator costs ~1 ms per row on CPU, too much at 256 rows a step).
-- Elsewhere (CUDA): the exponential race, ``argmax(probs / E)`` with E ~ Exp(1) from a per-row
-  torch.Generator seeded with the key: only elementwise ops and an argmax, exact in any batch (CUDA's
-  ``cumsum`` kernels depend on the batch shape, so inverse CDF would not be).
+The draw is an exponential race, ``argmax(p_i / E_i)`` with E_i ~ Exp(1), in two levels (first a block of
+256 tokens by its mass, then a token inside it), so a row needs ~V/256 + 256 random numbers instead of V.
+The noise comes from a per-row CPU torch.Generator seeded with the key, whatever the logits' device, so a
+seed draws the same tokens on CPU and GPU. Unlike inverse-CDF sampling, whose cumulative sums move every
+boundary when the logits move by a rounding error, a race only changes its winner when the top two
+scores are within that error: batched and unbatched logits that differ in the last bits still agree.
 
-The filters avoid row reductions whose result depends on the batch shape (on CPU ``sum``/``logsumexp``
-do; softmax, log_softmax, amax, argmax, topk, sort and CPU cumsum do not). On CUDA the top-p / typical-p
-cut-offs use a cumsum, so there a cut-off can move only when the mass lands within rounding of top_p.
+Row reductions whose result depends on the batch shape are avoided (on CPU ``sum``/``logsumexp`` do;
+softmax, log_softmax, amax, argmax, topk, sort and CPU cumsum do not). CUDA's cumsum kernels depend on
+the batch shape, so there a top-p / typical-p cut-off or a block mass can differ in the last bit.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ from loraplex.params import SamplingParams
 _PREFIX_SIZES = (128, 2048)
 # token_logprobs materialises log_softmax for this many rows at a time (bounds memory for long prompts).
 _LOGPROB_CHUNK = 256
+
+# Tokens per block of the two-level race (about sqrt(V) for V ~ 50k).
+_RACE_BLOCK = 256
 
 _MASK64 = (1 << 64) - 1
 _NEG_INF = float("-inf")
@@ -259,32 +262,34 @@ def _mass_cutoff(key: torch.Tensor, logp: torch.Tensor, mass: torch.Tensor, larg
 
 
 def _draw(x: torch.Tensor, keys: list[int]) -> torch.Tensor:
-    """One token per row of filtered logits x, row i drawn with the 64-bit key keys[i]."""
-    return _draw_inverse_cdf(x, keys) if x.device.type == "cpu" else _draw_race(x, keys)
+    """One token per row of the filtered logits x, row i raced with noise seeded by keys[i].
+
+    Level 1 races the blocks of ``_RACE_BLOCK`` tokens by their mass, level 2 the tokens of the winning block:
+    P(token) = mass(block) / total * p(token) / mass(block), exactly the row's distribution. Removed tokens
+    weigh 0 and cannot win.
+    """
+    n, vocab = x.shape
+    blocks = -(-vocab // _RACE_BLOCK)
+    noise = _race_noise(keys, blocks + _RACE_BLOCK).to(x.device)
+    weight = (x - x.amax(dim=1, keepdim=True)).exp_()  # p up to a per-row factor, which the race ignores
+    if blocks * _RACE_BLOCK != vocab:
+        weight = torch.nn.functional.pad(weight, (0, blocks * _RACE_BLOCK - vocab))
+    weight = weight.view(n, blocks, _RACE_BLOCK)
+    mass = weight.cumsum(dim=2)[:, :, -1]  # cumsum, not sum: its per-row result does not depend on the batch
+    block = (mass / noise[:, :blocks]).argmax(dim=1)
+    inner = weight[torch.arange(n, device=x.device), block]
+    return block * _RACE_BLOCK + (inner / noise[:, blocks:]).argmax(dim=1)
 
 
-def _draw_inverse_cdf(x: torch.Tensor, keys: list[int]) -> torch.Tensor:
-    """Inverse CDF in vocabulary order. Removed tokens have probability 0: the cumulative sum does not rise
-    on them, so they cannot be drawn."""
-    cum = torch.softmax(x, dim=1).cumsum(dim=1)
-    total = cum[:, -1:].contiguous()
-    u = torch.tensor([(k >> 11) * 2.0**-53 for k in keys], dtype=torch.float32, device=x.device).unsqueeze(1)
-    idx = torch.searchsorted(cum, u * total, right=True)
-    # u * total can round up to total: fall back to the last token with non-zero probability.
-    last = torch.searchsorted(cum, total, right=False)
-    return torch.minimum(idx, last).squeeze(1)
-
-
-def _draw_race(x: torch.Tensor, keys: list[int]) -> torch.Tensor:
-    """Exponential race: argmax(probs / E), E ~ Exp(1) drawn from a generator seeded with the row's key."""
-    noise = torch.empty_like(x)
-    gen = torch.Generator(device=x.device)
-    for row, key in zip(noise, keys):
-        gen.manual_seed(key)
-        row.exponential_(generator=gen)
-    # E == 0 would turn a removed token's 0 / 0 into NaN, which argmax would pick.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return (torch.softmax(x, dim=1) / noise).argmax(dim=1)
+def _race_noise(keys: list[int], size: int) -> torch.Tensor:
+    """[len(keys), size] Exp(1) noise (never 0), row i from a CPU generator seeded with keys[i]."""
+    out = torch.empty(len(keys), size)
+    gen = torch.Generator()
+    for row, key in zip(out, keys):
+        gen.manual_seed(key & 0xFFFFFFFF)  # the CPU generator only uses 32 bits of its seed
+        row.uniform_(generator=gen)
+    # -log(U), U in [0, 1): U < 1 keeps E > 0 (a 0 would make a removed token's 0 / 0 a NaN, which argmax picks).
+    return out.log_().neg_()
 
 
 def _splitmix64(z: int) -> int:

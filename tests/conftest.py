@@ -32,7 +32,7 @@ def make_engine(embedded):
     """An Engine over the shared embedded model with its own scheduler and KV cache."""
 
     def make(**config) -> Engine:
-        config.setdefault("max_batch_total_tokens", 16384)
+        config.setdefault("max_batch_total_tokens", 4096)
         return Engine(embedded, EngineConfig(device="cpu", **config))
 
     return make

@@ -22,6 +22,9 @@ from loraplex.params import SamplingParams, TokenInfo
 from loraplex.tokenizer import IncrementalDetokenizer, find_stop
 
 
+CPU_KV_CACHE_CAP_BYTES = 2 << 30
+
+
 class RequestRefused(ValueError):
     """The engine cannot serve this request as asked (too long, empty, ...). The message says why."""
 
@@ -100,11 +103,12 @@ class Engine:
         bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * loaded.dtype.itemsize
         if loaded.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(loaded.device)
-        else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        tokens = int(free * cfg.kv_cache_memory_fraction) // bytes_per_token
-        # At least one longest request; at most what 1024 such requests could use.
-        tokens = max(cfg.max_total_tokens, min(tokens, 1024 * cfg.max_total_tokens))
+            budget = free * (cfg.kv_cache_memory_fraction or 0.85)
+        else:  # CPU: host memory is shared with everything else; a modest slice, capped
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(available * (cfg.kv_cache_memory_fraction or 0.1), CPU_KV_CACHE_CAP_BYTES)
+        # At least one longest request.
+        tokens = max(cfg.max_total_tokens, int(budget) // bytes_per_token)
         return blocks_for(tokens, cfg.block_size)
 
     # ---- requests -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from torch import nn
 
 from loraplex.engine.scheduler import ScheduledRequest
 from loraplex.layers.attention import AttentionBackend, TorchAttentionBackend
-from loraplex.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
+from loraplex.layers.forward_context import AttentionMetadata, DecodeGroup, ForwardContext, forward_context
 from loraplex.sampling import Sampler, token_logprobs
 
 
@@ -33,6 +33,25 @@ class _Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
+
+
+def group_by_length(
+    seqs: list[int], seq_lens: list[int], max_spread: float = 1.5, min_gap: int = 64
+) -> list[list[int]]:
+    """Split decode sequences into groups whose longest is at most `max_spread` x their shortest (or at
+    most `min_gap` tokens longer: short padding is cheaper than another call).
+
+    Each group is attended over keys padded to its longest member, so mixed lengths waste little; a
+    few groups cost a few more calls per layer.
+    """
+    groups: list[list[int]] = []
+    for s in sorted(seqs, key=lambda i: seq_lens[i]):
+        shortest = seq_lens[groups[-1][0]] if groups else 0
+        if groups and (seq_lens[s] <= max_spread * shortest or seq_lens[s] - shortest <= min_gap):
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
 
 
 class ModelRunner:
@@ -130,9 +149,11 @@ class ModelRunner:
             block_tables=long(tables),
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
-            seq_lens_tensor=long(seq_lens),
-            decode_seqs=long(decode_seqs),
-            decode_rows=long([query_start_loc[s] for s in decode_seqs]),
+            decode_groups=[
+                DecodeGroup(long(g), long([query_start_loc[s] for s in g]), long([seq_lens[s] for s in g]),
+                            max(seq_lens[s] for s in g))
+                for g in group_by_length(decode_seqs, seq_lens)
+            ],
             prefill_seqs=prefill_seqs,
         )
         return _Batch(long(input_ids), long(positions), metadata)

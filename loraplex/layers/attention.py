@@ -70,8 +70,8 @@ class TorchAttentionBackend:
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v)
 
         out = torch.empty_like(q)
-        if md.decode_rows.numel():
-            out[md.decode_rows] = self._decode(layer, q[md.decode_rows], key_cache, value_cache, md)
+        for group in md.decode_groups:
+            out[group.rows] = self._decode(layer, q[group.rows], key_cache, value_cache, md.block_tables, group)
         for s in md.prefill_seqs:
             start, end = md.query_start_loc[s], md.query_start_loc[s + 1]
             seq_len = md.seq_lens[s]
@@ -87,17 +87,17 @@ class TorchAttentionBackend:
     def _gather(key_cache, value_cache, block_tables, max_len):
         """[B, blocks] -> keys/values [B, max_len, Hkv, D] (padding rows hold stale data; mask them)."""
         batch = block_tables.shape[0]
-        block_size = key_cache.shape[1]
+        num_blocks, block_size, heads, dim = key_cache.shape
         nb = -(-max_len // block_size)
-        table = block_tables[:, :nb]
-        keys = key_cache[table].reshape(batch, nb * block_size, *key_cache.shape[2:])[:, :max_len]
-        values = value_cache[table].reshape(batch, nb * block_size, *value_cache.shape[2:])[:, :max_len]
+        flat_table = block_tables[:, :nb].reshape(-1)
+        # index_select on whole blocks: one contiguous copy per block, much cheaper than advanced indexing.
+        keys = key_cache.index_select(0, flat_table).view(batch, nb * block_size, heads, dim)[:, :max_len]
+        values = value_cache.index_select(0, flat_table).view(batch, nb * block_size, heads, dim)[:, :max_len]
         return keys, values
 
-    def _decode(self, layer, q, key_cache, value_cache, md):
-        seq_lens = md.seq_lens_tensor[md.decode_seqs]
-        max_len = int(seq_lens.max())
-        keys, values = self._gather(key_cache, value_cache, md.block_tables[md.decode_seqs], max_len)
+    def _decode(self, layer, q, key_cache, value_cache, block_tables, group):
+        seq_lens, max_len = group.seq_lens, group.max_len
+        keys, values = self._gather(key_cache, value_cache, block_tables[group.seqs], max_len)
         key_pos = torch.arange(max_len, device=q.device)
         visible = key_pos[None, :] < seq_lens[:, None]
         if layer.sliding_window is not None:

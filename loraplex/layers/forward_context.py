@@ -14,6 +14,16 @@ import torch
 
 
 @dataclass
+class DecodeGroup:
+    """Decode sequences attended together: padded to the group's longest, so lengths are kept close."""
+
+    seqs: torch.Tensor  # [G] int64 sequence indices
+    rows: torch.Tensor  # [G] int64 token rows
+    seq_lens: torch.Tensor  # [G] int64
+    max_len: int
+
+
+@dataclass
 class AttentionMetadata:
     """Flat description of one step's sequences. Tensors live on the model's device.
 
@@ -26,10 +36,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     seq_lens: list[int]  # per sequence, context + new
     query_start_loc: list[int]  # [B + 1]
-    seq_lens_tensor: torch.Tensor  # [B] int64
-    # Sequences that compute exactly one token, batched together (decode rows).
-    decode_seqs: torch.Tensor  # [Bd] int64 sequence indices
-    decode_rows: torch.Tensor  # [Bd] int64 token rows
+    # Sequences that compute exactly one token (decode rows), batched in groups of similar length.
+    decode_groups: list["DecodeGroup"]
     prefill_seqs: list[int]  # the other sequences, handled one by one
 
     @property

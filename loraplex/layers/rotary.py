@@ -40,18 +40,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """positions [T] -> (cos, sin), each [T, 1, D]: computed once per forward, shared by every layer."""
+
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()
         # A plain attribute, not a buffer: it is derived from the config, never loaded, and must
         # survive building the model on the meta device. It follows the inputs' device on first use.
         self.inv_freq = inverse_frequencies(rope, head_dim)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, H, D], k [T, Hkv, D]. Angles in float32, as the reference computes them."""
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
+        # Angles in float32 whatever the model dtype, as the reference computes them.
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(q.dtype)[:, None, :]
-        sin = emb.sin().to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [T, Hkv, D] rotated by their positions' angles."""
+    cos, sin = cos_sin
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -14,7 +14,7 @@ from torch import nn
 from loraplex.config import ModelConfig
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.norms import RMSNorm
-from loraplex.layers.rotary import RotaryEmbedding
+from loraplex.layers.rotary import RotaryEmbedding, apply_rotary
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -28,17 +28,16 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-        self.rotary = RotaryEmbedding(config.rope, self.head_dim)
         self.attn = PagedAttention(
             layer_index, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, config.sliding_window
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         return self.o_proj(self.attn(q, k, v).reshape(rows, -1))
 
 
@@ -63,8 +62,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -74,11 +73,13 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(positions, x)
+            x = layer(rope, x)
         return self.norm(x)
 
 

@@ -136,3 +136,4 @@ def test_no_admission_in_a_step_that_preempted():
     assert [i.request.request_id for i in out.scheduled] == ["a"]
     assert s.allocator.num_free == 1  # c would fit, but is not admitted in a step that preempted
     assert [r.request_id for r in s.waiting] == ["b", "c"]
+
