@@ -102,20 +102,23 @@ class TorchAttentionBackend:
         visible = key_pos[None, :] < seq_lens[:, None]
         if layer.sliding_window is not None:
             visible &= key_pos[None, :] >= (seq_lens[:, None] - layer.sliding_window)
+        # The query heads sharing a KV head ride as that head's query positions ([Bd, Hkv, H/Hkv, D]):
+        # no copy of K/V per query head, and one mask row fits them all.
+        batch = q.shape[0]
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [Bd, H, 1, D]
+            q.view(batch, layer.num_kv_heads, -1, layer.head_dim),
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=visible[:, None, None, :],
             scale=layer.scale,
-            enable_gqa=layer.num_heads != layer.num_kv_heads,
         )
-        return out.squeeze(2)
+        return out.reshape(batch, layer.num_heads, layer.head_dim)
 
     def _prefill(self, layer, q, keys, values, seq_len):
         num_new = q.shape[0]
         context = seq_len - num_new
-        qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+        # 4-D [1, H, T, D]: with a batch dimension, SDPA takes its fused CPU kernel (3-D falls back to math).
+        qh, kh, vh = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
         gqa = layer.num_heads != layer.num_kv_heads
         if context == 0 and layer.sliding_window is None:
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=layer.scale, enable_gqa=gqa)
@@ -126,4 +129,4 @@ class TorchAttentionBackend:
             if layer.sliding_window is not None:
                 visible &= k_pos > q_pos - layer.sliding_window
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, scale=layer.scale, enable_gqa=gqa)
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
