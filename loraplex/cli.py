@@ -7,13 +7,17 @@ import os
 import socket
 import sys
 
-from loraplex.config import EngineConfig
+from loraplex.config import EngineConfig, ServerConfig
 
 
 def _env(name: str, default=None, cast=str):
     """LoRAX-style flags may also come from the environment (MODEL_ID, PORT, ...)."""
     value = os.environ.get(name)
     return default if value is None else cast(value)
+
+
+def _truthy(value: str) -> bool:
+    return value.lower() in ("1", "true", "yes", "on")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +76,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loraplex.server.app import create_app
 
     engine = Engine.from_config(_engine_config(args))
-    app = create_app(AsyncEngine(engine))
+    server_config = ServerConfig(
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_stop_sequences=args.max_stop_sequences,
+        max_best_of=args.max_best_of,
+        json_output=args.json_output,
+        cors_allow_origin=tuple(args.cors_allow_origin or ()),
+    )
+    app = create_app(AsyncEngine(engine), server_config)
     # Bind before saying "ready": from that line on, connections queue in the backlog.
     family = socket.getaddrinfo(args.hostname, args.port, type=socket.SOCK_STREAM)[0][0]
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -102,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.add_argument("--hostname", default=_env("HOSTNAME_BIND", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=_env("PORT", 8080, int))
+    serve.add_argument("--max-concurrent-requests", type=int, default=_env("MAX_CONCURRENT_REQUESTS", 128, int))
+    serve.add_argument("--max-stop-sequences", type=int, default=_env("MAX_STOP_SEQUENCES", 4, int))
+    serve.add_argument("--max-best-of", type=int, default=_env("MAX_BEST_OF", 2, int))
+    serve.add_argument("--json-output", action="store_true", default=_env("JSON_OUTPUT", False, _truthy))
+    serve.add_argument("--cors-allow-origin", action="append", default=_env("CORS_ALLOW_ORIGIN", None, lambda v: v.split(",")))
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for one prompt and print it")

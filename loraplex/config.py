@@ -111,3 +111,15 @@ class EngineConfig:
     # max_batch_total_tokens is None.
     kv_cache_memory_fraction: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP-edge limits and options (LoRAX's flag names and defaults where they apply)."""
+
+    max_concurrent_requests: int = 128
+    max_stop_sequences: int = 4
+    max_best_of: int = 2
+    default_max_new_tokens: int = 20  # when a request names none
+    json_output: bool = False
+    cors_allow_origin: tuple[str, ...] = ()

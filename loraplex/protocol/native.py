@@ -1,7 +1,8 @@
-"""LoRAX/TGI-native schemas: POST /generate and /generate_stream."""
+"""LoRAX/TGI-native schemas: POST /generate, /generate_stream, / and /tokenize."""
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
@@ -9,7 +10,22 @@ from pydantic import BaseModel, Field, field_validator
 from loraplex.params import SamplingParams, TokenInfo
 
 
+class MergedAdapters(BaseModel):
+    """Accepted now; served by the multi-LoRA issue."""
+
+    ids: list[str]
+    weights: list[float]
+    merge_strategy: Literal["linear", "ties", "dare_linear", "dare_ties"] = "linear"
+    density: float = Field(default=1.0, gt=0.0, le=1.0)
+    majority_sign_method: Literal["total", "frequency"] = "total"
+
+
 class GenerateParameters(BaseModel):
+    adapter_id: str | None = None
+    adapter_source: str | None = None
+    merged_adapters: MergedAdapters | None = None
+    api_token: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
     max_new_tokens: int | None = Field(default=None, ge=1)
     do_sample: bool = False
     temperature: float | None = Field(default=None, gt=0.0)
@@ -22,10 +38,15 @@ class GenerateParameters(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     stop: list[str] = Field(default_factory=list)
     seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
+    truncate: int | None = Field(default=None, ge=1)
+    return_full_text: bool = False
     details: bool = False
     decoder_input_details: bool = False
     return_k_alternatives: int | None = Field(default=None, ge=0, le=10)
     ignore_eos_token: bool = False
+    apply_chat_template: bool = False
+    watermark: bool = False  # accepted for TGI clients; has no effect
+    response_format: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -34,9 +55,9 @@ class GenerateParameters(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return stops
 
-    def to_sampling_params(self, default_max_new_tokens: int = 20) -> SamplingParams:
+    def to_sampling_params(self, max_new_tokens: int, seed: int | None = None) -> SamplingParams:
         return SamplingParams(
-            max_new_tokens=self.max_new_tokens or default_max_new_tokens,
+            max_new_tokens=max_new_tokens,
             do_sample=self.do_sample,
             temperature=self.temperature or 1.0,
             top_k=self.top_k or 0,
@@ -46,7 +67,7 @@ class GenerateParameters(BaseModel):
             repetition_penalty=self.repetition_penalty or 1.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
-            seed=self.seed,
+            seed=self.seed if seed is None else seed,
             stop=tuple(self.stop),
             ignore_eos=self.ignore_eos_token,
             top_n_tokens=self.return_k_alternatives or 0,
@@ -57,6 +78,27 @@ class GenerateParameters(BaseModel):
 class GenerateRequest(BaseModel):
     inputs: str = Field(min_length=1)
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+
+    def chat_messages(self) -> list[dict]:
+        """`inputs` as chat messages when apply_chat_template is set: a JSON list of messages, or one user turn."""
+        try:
+            messages = json.loads(self.inputs)
+        except json.JSONDecodeError:
+            return [{"role": "user", "content": self.inputs}]
+        if isinstance(messages, list) and all(isinstance(m, dict) and "role" in m for m in messages):
+            return messages
+        return [{"role": "user", "content": self.inputs}]
+
+
+class CompatGenerateRequest(GenerateRequest):
+    """POST / : the same request with a `stream` switch."""
+
+    stream: bool = False
+
+
+class TokenizeRequest(BaseModel):
+    inputs: str
+    add_special_tokens: bool = True
 
 
 class Token(BaseModel):
@@ -76,6 +118,15 @@ class Token(BaseModel):
 FinishReasonName = Literal["length", "eos_token", "stop_sequence"]
 
 
+class BestOfSequence(BaseModel):
+    generated_text: str
+    finish_reason: FinishReasonName
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[Token] = Field(default_factory=list)
+    tokens: list[Token] = Field(default_factory=list)
+
+
 class Details(BaseModel):
     finish_reason: FinishReasonName
     prompt_tokens: int
@@ -83,6 +134,7 @@ class Details(BaseModel):
     seed: int | None = None
     prefill: list[Token] = Field(default_factory=list)
     tokens: list[Token] = Field(default_factory=list)
+    best_of_sequences: list[BestOfSequence] | None = None
 
 
 class GenerateResponse(BaseModel):

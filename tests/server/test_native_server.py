@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -24,7 +25,7 @@ def server():
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "loraplex.cli", "serve", "--hostname", "127.0.0.1", "--port", str(port),
-         "--max-batch-total-tokens", "8192"],
+         "--max-batch-total-tokens", "8192", "--max-concurrent-requests", "4"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     ready = threading.Event()
@@ -84,3 +85,100 @@ def test_invalid_request_is_422_and_server_keeps_serving(server):
     assert too_long.status_code == 422 and "max input length" in too_long.json()["error"]
     ok = httpx.post(f"{server}/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}}, timeout=60)
     assert ok.status_code == 200
+
+
+def read_events(response) -> list[dict]:
+    return [json.loads(line[len("data:"):]) for line in response.iter_lines() if line.startswith("data:")]
+
+
+def test_compat_route_lists_and_streams(server):
+    body = {"inputs": "Hello", "parameters": {"max_new_tokens": 4}, "stream": False}
+    answer = httpx.post(f"{server}/", json=body, timeout=60)
+    assert answer.status_code == 200 and isinstance(answer.json(), list) and len(answer.json()) == 1
+    with httpx.stream("POST", f"{server}/", json={**body, "stream": True}, timeout=60) as response:
+        events = read_events(response)
+    assert events[-1]["generated_text"] == answer.json()[0]["generated_text"]
+
+
+def test_headers_full_text_truncate_and_tokenize(server):
+    body = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 5, "return_full_text": True,
+                                                                  "decoder_input_details": True, "details": True}}
+    answer = httpx.post(f"{server}/generate", json=body, timeout=60)
+    data = answer.json()
+    assert data["generated_text"].startswith("The capital of France is")
+    assert answer.headers["x-generated-tokens"] == "5" and answer.headers["x-model-id"].endswith("SmolLM2-135M-Instruct")
+    for name in ("x-compute-time", "x-total-time", "x-queue-time", "x-time-per-token", "x-prompt-tokens"):
+        assert name in answer.headers
+    tokens = httpx.post(f"{server}/tokenize", json={"inputs": "The capital of France is"}, timeout=10).json()
+    assert [t["id"] for t in data["details"]["prefill"]] == [t["id"] for t in tokens]
+    assert data["details"]["prefill"][0]["logprob"] is None and data["details"]["prefill"][1]["logprob"] < 0
+    truncated = httpx.post(f"{server}/generate", json={"inputs": "one two three four five six",
+                                                        "parameters": {"max_new_tokens": 1, "truncate": 2, "details": True}}, timeout=60)
+    assert truncated.json()["details"]["prompt_tokens"] == 2
+
+
+def test_best_of_returns_the_other_sequences(server):
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 6, "best_of": 2, "do_sample": True,
+                                                          "details": True}}
+    data = httpx.post(f"{server}/generate", json=body, timeout=60).json()
+    assert len(data["details"]["best_of_sequences"]) == 1
+    assert httpx.post(f"{server}/generate", json={**body, "parameters": {**body["parameters"], "best_of": 3}},
+                      timeout=10).status_code == 422
+
+
+def test_limits_are_refused_with_the_limit_named(server):
+    too_many_stops = httpx.post(f"{server}/generate", json={"inputs": "hi", "parameters": {"stop": list("abcde")}}, timeout=10)
+    assert too_many_stops.status_code == 422 and "max stop sequences" in too_many_stops.json()["error"]
+    too_long = httpx.post(f"{server}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 100000}}, timeout=10)
+    assert too_long.status_code == 422 and "max total tokens" in too_long.json()["error"]
+    assert httpx.post(f"{server}/generate", json={"inputs": "hi", "parameters": {"temperature": 0}}, timeout=10).status_code == 422
+
+
+def test_fifth_concurrent_request_gets_429_and_slots_come_back(server):
+    # Long enough that none can finish while the test holds them open.
+    body = {"inputs": "Count to one hundred:", "parameters": {"max_new_tokens": 3000, "ignore_eos_token": True}}
+    with httpx.Client(timeout=60) as client:
+        streams = [client.stream("POST", f"{server}/generate_stream", json=body) for _ in range(4)]
+        opened = [s.__enter__() for s in streams]
+        try:
+            # Keep the line iterators alive: a discarded one closes its connection (and the server aborts).
+            lines = [response.iter_lines() for response in opened]
+            for it in lines:  # each has produced a token: all four hold a slot
+                next(it)
+            refused = httpx.post(f"{server}/generate", json={"inputs": "hi"}, timeout=10)
+            assert refused.status_code == 429 and refused.json()["error_type"] == "overloaded"
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    metrics = httpx.get(f"{server}/metrics", timeout=10).text
+    assert "lorax_request_failure{err=\"overloaded\"}" in metrics
+    # The closed streams were aborted: a new request gets through.
+    assert httpx.post(f"{server}/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}}, timeout=60).status_code == 200
+
+
+def gauge(metrics_text: str, name: str) -> float:
+    line = next(l for l in metrics_text.splitlines() if l.startswith(name + " "))
+    return float(line.split()[-1])
+
+
+def test_disconnected_streams_are_aborted_and_free_the_kv_cache(server):
+    body = {"inputs": "Write a very long essay about the sea.", "parameters": {"max_new_tokens": 3000, "ignore_eos_token": True}}
+    with httpx.Client(timeout=60) as client:
+        for _ in range(4):  # 16 streams in all, 4 at a time (the server's concurrency limit)
+            streams = [client.stream("POST", f"{server}/generate_stream", json=body) for _ in range(4)]
+            opened = [s.__enter__() for s in streams]
+            lines = [r.iter_lines() for r in opened]
+            for it in lines:
+                for _ in range(3):  # a few tokens each
+                    next(it)
+            for s in streams:
+                s.__exit__(None, None, None)
+    # The server notices each disconnect on its own schedule: wait (bounded) for the engine to go idle.
+    deadline = time.monotonic() + 30
+    while True:
+        metrics = httpx.get(f"{server}/metrics", timeout=10).text
+        idle = gauge(metrics, "vllm:num_requests_running") == 0 and gauge(metrics, "vllm:kv_cache_usage_perc") == 0
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert idle, metrics

@@ -1,0 +1,69 @@
+"""Error responses in the shapes each API's clients understand.
+
+Native (LoRAX/TGI) routes: `{"error": "...", "error_type": "..."}` with 422 (validation), 424 (generation
+failed), 429 (overloaded), 503 (unhealthy). OpenAI routes (`/v1/...`): `{"error": {"message", "type",
+"param", "code"}}` with 400 (bad field), 404 (unknown model), 429 (overloaded), 500 (generation failed).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from loraplex.engine.engine import RequestRefused
+from loraplex.server.state import GenerationFailed, Overloaded
+
+
+class ModelNotFound(LookupError):
+    """An OpenAI `model` (or, later, an adapter) that this server does not serve."""
+
+
+class BadRequest(ValueError):
+    """A field the edge refuses; `param` names it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def is_openai(request: Request) -> bool:
+    return request.url.path.startswith("/v1/")
+
+
+def native_error(status: int, message: str, error_type: str) -> JSONResponse:
+    return JSONResponse({"error": message, "error_type": error_type}, status_code=status)
+
+
+def openai_error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def error_response(request: Request, exc: Exception) -> JSONResponse:
+    """The response for a known exception, in the shape of the route's API."""
+    openai = is_openai(request)
+    if isinstance(exc, Overloaded):
+        return openai_error(429, str(exc), "rate_limit_error", code="overloaded") if openai else native_error(429, str(exc), "overloaded")
+    if isinstance(exc, ModelNotFound):
+        return openai_error(404, str(exc), "not_found_error", "model", "model_not_found") if openai else native_error(404, str(exc), "not_found")
+    if isinstance(exc, (RequestRefused, BadRequest)):
+        param = getattr(exc, "param", None)
+        return openai_error(400, str(exc), "invalid_request_error", param) if openai else native_error(422, str(exc), "validation")
+    if isinstance(exc, GenerationFailed):
+        return openai_error(500, str(exc), "server_error") if openai else native_error(424, str(exc), "generation")
+    raise exc
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+        if is_openai(request):
+            return openai_error(400, message, "invalid_request_error", where or None)
+        return native_error(422, message, "validation")
+
+    for kind in (Overloaded, ModelNotFound, RequestRefused, BadRequest, GenerationFailed):
+        app.add_exception_handler(kind, error_response)

@@ -1,0 +1,256 @@
+"""LoRAX/TGI-native routes: /generate, /generate_stream, POST /, /tokenize, /info, /health."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from loraplex import __version__
+from loraplex.engine.engine import RequestOutput
+from loraplex.params import SamplingParams, TokenInfo
+from loraplex.protocol.native import (
+    BestOfSequence, CompatGenerateRequest, Details, GenerateRequest, GenerateResponse, StreamDetails,
+    StreamResponse, Token, TokenizeRequest,
+)
+from loraplex.server.errors import BadRequest, native_error
+from loraplex.server.state import GenerationFailed, ServerState, get_state
+
+router = APIRouter()
+
+
+@dataclass
+class Prepared:
+    prompt_ids: list[int]
+    params: SamplingParams
+    prefix: str  # prepended to generated_text (return_full_text)
+    validated_at: float
+
+
+def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
+    """Validate a native request against the server's limits and turn it into engine inputs."""
+    started = time.perf_counter()
+    p = body.parameters
+    limits, engine_config = state.config, state.core.config
+    if p.adapter_id or p.merged_adapters:
+        raise BadRequest("adapters are not served yet (the multi-LoRA issue adds them)", "adapter_id")
+    if p.response_format is not None:
+        raise BadRequest("response_format is not supported yet", "response_format")
+    if len(p.stop) > limits.max_stop_sequences:
+        raise BadRequest(
+            f"stop must have at most {limits.max_stop_sequences} sequences (max stop sequences); got {len(p.stop)}"
+        )
+    best_of = p.best_of or 1
+    if best_of > limits.max_best_of:
+        raise BadRequest(f"best_of must be <= {limits.max_best_of} (max best of); got {best_of}")
+    if best_of > 1 and not (p.do_sample or p.temperature or p.top_k or p.top_p or p.typical_p):
+        raise BadRequest("best_of > 1 needs sampling: set do_sample or a sampling parameter")
+    if best_of > 1 and p.seed is not None:
+        raise BadRequest("best_of > 1 cannot be combined with a seed (each sequence needs its own)")
+    text = body.inputs
+    if p.apply_chat_template:
+        text = state.tokenizer.apply_chat_template(body.chat_messages())
+    prompt_ids = state.tokenizer.encode(text, add_special_tokens=not p.apply_chat_template)
+    if p.truncate is not None:
+        prompt_ids = prompt_ids[-p.truncate :]
+    if len(prompt_ids) > engine_config.max_input_length:
+        raise BadRequest(
+            f"inputs must have at most {engine_config.max_input_length} tokens (max input length); "
+            f"got {len(prompt_ids)}"
+        )
+    max_new = p.max_new_tokens or limits.default_max_new_tokens
+    if len(prompt_ids) + max_new > state.core.max_total_tokens:
+        raise BadRequest(
+            f"inputs tokens + max_new_tokens must be <= {state.core.max_total_tokens} (max total tokens); "
+            f"got {len(prompt_ids)} + {max_new}"
+        )
+    prefix = body.inputs if p.return_full_text else ""
+    return Prepared(prompt_ids, p.to_sampling_params(max_new), prefix, time.perf_counter() - started)
+
+
+@dataclass
+class Finished:
+    final: RequestOutput
+    tokens: list[TokenInfo]
+
+    @property
+    def logprob_sum(self) -> float:
+        return sum(t.logprob or 0.0 for t in self.tokens)
+
+
+async def run_to_end(state: ServerState, prompt_ids: list[int], params: SamplingParams) -> Finished:
+    tokens: list[TokenInfo] = []
+    final = None
+    async for out in state.generate(prompt_ids, params):
+        if out.token is not None:
+            tokens.append(out.token)
+        final = out
+    assert final is not None and final.finished
+    return Finished(final, tokens)
+
+
+def headers(state: ServerState, prepared: Prepared, final: RequestOutput, started: float) -> dict[str, str]:
+    t = final.timings
+    total = time.perf_counter() - started
+    inference = t.get("total", 0.0) - t.get("queue", 0.0)
+    per_token = inference / max(1, final.num_generated_tokens)
+    ms = lambda seconds: str(int(seconds * 1000))  # noqa: E731
+    return {
+        "x-compute-type": state.core.device.type,
+        "x-compute-time": f"{total:.6f}",
+        "x-compute-characters": str(len(prepared.prefix)),
+        "x-total-time": ms(total),
+        "x-validation-time": ms(prepared.validated_at),
+        "x-queue-time": ms(t.get("queue", 0.0)),
+        "x-inference-time": ms(inference),
+        "x-time-per-token": ms(per_token),
+        "x-prompt-tokens": str(final.num_prompt_tokens),
+        "x-generated-tokens": str(final.num_generated_tokens),
+        "x-model-id": state.model_id,
+    }
+
+
+def sampled_seed(params: SamplingParams, seed: int | None) -> int | None:
+    return None if params.greedy else seed
+
+
+async def generate_json(state: ServerState, body: GenerateRequest) -> JSONResponse:
+    started = time.perf_counter()
+    prepared = prepare(state, body)
+    best_of = body.parameters.best_of or 1
+    runs = await asyncio.gather(*(run_to_end(state, prepared.prompt_ids, prepared.params) for _ in range(best_of)))
+    best = max(runs, key=lambda r: r.logprob_sum)
+    final = best.final
+    details = None
+    if body.parameters.details:
+        prefill = [Token.of(t) for t in final.prompt_tokens or []]
+        others = [
+            BestOfSequence(
+                generated_text=prepared.prefix + r.final.generated_text, finish_reason=r.final.finish_reason.value,
+                generated_tokens=r.final.num_generated_tokens, seed=sampled_seed(prepared.params, r.final.seed),
+                prefill=prefill, tokens=[Token.of(t) for t in r.tokens],
+            )
+            for r in runs if r is not best
+        ]
+        details = Details(
+            finish_reason=final.finish_reason.value, prompt_tokens=final.num_prompt_tokens,
+            generated_tokens=final.num_generated_tokens, seed=sampled_seed(prepared.params, final.seed),
+            prefill=prefill, tokens=[Token.of(t) for t in best.tokens], best_of_sequences=others or None,
+        )
+    response = GenerateResponse(generated_text=prepared.prefix + final.generated_text, details=details)
+    return JSONResponse(_prune(response.model_dump()), headers=headers(state, prepared, final, started))
+
+
+async def generate_sse(state: ServerState, body: GenerateRequest):
+    prepared = prepare(state, body)
+    if (body.parameters.best_of or 1) > 1:
+        raise BadRequest("best_of > 1 is not supported when streaming", "best_of")
+    outputs = state.generate(prepared.prompt_ids, prepared.params)
+    first = await anext(outputs)  # refusals surface here, before any byte, as a plain error response
+
+    async def events() -> AsyncIterator[str]:
+        out = first
+        try:
+            while True:
+                event = StreamResponse(token=Token.of(out.token))
+                if out.finished:
+                    event.generated_text = prepared.prefix + out.generated_text
+                    event.details = StreamDetails(
+                        finish_reason=out.finish_reason.value, prompt_tokens=out.num_prompt_tokens,
+                        generated_tokens=out.num_generated_tokens, seed=sampled_seed(prepared.params, out.seed),
+                    )
+                yield f"data: {json.dumps(_prune(event.model_dump(), keep=('generated_text', 'details')))}\n\n"
+                if out.finished:
+                    return
+                out = await anext(outputs)
+        except GenerationFailed as exc:
+            yield f"data: {json.dumps({'error': str(exc), 'error_type': 'generation'})}\n\n"
+        finally:
+            await outputs.aclose()  # a client that went away aborts its request here
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"x-model-id": state.model_id})
+
+
+_OPTIONAL = ("details", "best_of_sequences", "alternative_tokens", "generated_text")
+
+
+def _prune(value, keep: tuple[str, ...] = ()):
+    """Drop optional fields that are None, as LoRAX omits them; `logprob: null` (first prefill token) stays,
+    and so do the fields in `keep` (TGI streams explicit nulls for generated_text and details)."""
+    if isinstance(value, dict):
+        return {
+            k: _prune(v) for k, v in value.items() if not (v is None and k in _OPTIONAL and k not in keep)
+        }
+    if isinstance(value, list):
+        return [_prune(v) for v in value]
+    return value
+
+
+@router.post("/generate", response_model=GenerateResponse, response_model_exclude_none=True)
+async def generate(body: GenerateRequest, request: Request):
+    return await generate_json(get_state(request), body)
+
+
+@router.post("/generate_stream", response_model=StreamResponse)
+async def generate_stream(body: GenerateRequest, request: Request):
+    return await generate_sse(get_state(request), body)
+
+
+@router.post("/", summary="generate or generate_stream, by the `stream` field")
+async def compat_generate(body: CompatGenerateRequest, request: Request):
+    state = get_state(request)
+    if body.stream:
+        return await generate_sse(state, body)
+    response = await generate_json(state, body)
+    response.body = b"[" + response.body + b"]"
+    response.headers["content-length"] = str(len(response.body))
+    return response
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request):
+    tokenizer = get_state(request).tokenizer
+    ids = tokenizer.encode(body.inputs, add_special_tokens=body.add_special_tokens)
+    encoding = tokenizer.hf(body.inputs, add_special_tokens=body.add_special_tokens, return_offsets_mapping=True)
+    offsets = encoding.get("offset_mapping") or [(0, 0)] * len(ids)
+    return [
+        {"id": i, "text": tokenizer.token_text(i), "start": start, "stop": stop}
+        for i, (start, stop) in zip(ids, offsets)
+    ]
+
+
+@router.get("/health")
+async def health(request: Request):
+    state = get_state(request)
+    probe = [state.core.model_config.bos_token_id or 0]
+    try:  # healthy means a forward pass works right now (straight to the engine: no slot, no metrics)
+        async for _ in state.engine.generate(probe, SamplingParams(max_new_tokens=1)):
+            pass
+    except Exception as exc:  # noqa: BLE001 — any failure means unhealthy
+        return native_error(503, f"unhealthy: {exc}", "unhealthy")
+    return JSONResponse({}, status_code=200)
+
+
+@router.get("/info")
+async def info(request: Request):
+    state = get_state(request)
+    core = state.core
+    return {
+        "model_id": core.model_id,
+        "model_dtype": str(core.dtype).removeprefix("torch."),
+        "model_device_type": core.device.type,
+        "max_concurrent_requests": state.config.max_concurrent_requests,
+        "max_best_of": state.config.max_best_of,
+        "max_stop_sequences": state.config.max_stop_sequences,
+        "max_input_length": core.config.max_input_length,
+        "max_total_tokens": core.max_total_tokens,
+        "max_batch_total_tokens": core.kv_capacity_tokens,
+        "max_batch_prefill_tokens": core.config.max_batch_prefill_tokens,
+        "block_size": core.config.block_size,
+        "version": __version__,
+    }

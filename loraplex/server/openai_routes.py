@@ -1,0 +1,5 @@
+"""OpenAI-compatible routes (/v1/...)."""
+
+from fastapi import APIRouter
+
+router = APIRouter()

@@ -1,0 +1,5 @@
+"""The playground page."""
+
+from fastapi import APIRouter
+
+router = APIRouter()
