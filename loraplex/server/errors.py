@@ -41,7 +41,10 @@ def openai_error(status: int, message: str, kind: str, param: str | None = None,
 
 
 def error_response(request: Request, exc: Exception) -> JSONResponse:
-    """The response for a known exception, in the shape of the route's API."""
+    """The response for a known exception, in the shape of the route's API (and its failure counted)."""
+    if not isinstance(exc, GenerationFailed):  # those are counted where they happen
+        kind = {Overloaded: "overloaded", ModelNotFound: "not_found"}.get(type(exc), "validation")
+        request.app.state.loraplex.metrics.on_failure(kind)
     openai = is_openai(request)
     if isinstance(exc, Overloaded):
         return openai_error(429, str(exc), "rate_limit_error", code="overloaded") if openai else native_error(429, str(exc), "overloaded")
@@ -58,6 +61,7 @@ def error_response(request: Request, exc: Exception) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        request.app.state.loraplex.metrics.on_failure("validation")
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))

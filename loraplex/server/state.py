@@ -16,7 +16,7 @@ from fastapi import Request
 
 from loraplex.config import ServerConfig
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.engine import Engine, RequestOutput, RequestRefused
+from loraplex.engine.engine import Engine, RequestOutput
 from loraplex.params import SamplingParams
 from loraplex.server.metrics import Metrics
 
@@ -52,7 +52,6 @@ class ServerState:
     def admit(self) -> None:
         """Reserve a slot for one request, or raise Overloaded at once."""
         if self.in_flight >= self.config.max_concurrent_requests:
-            self.metrics.on_failure("overloaded")
             raise Overloaded(
                 f"model is overloaded: {self.in_flight} requests in flight "
                 f"(max concurrent requests {self.config.max_concurrent_requests})"
@@ -78,10 +77,7 @@ class ServerState:
                 if out.finished:
                     self.metrics.on_success(out)
                 yield out
-        except RequestRefused:
-            self.metrics.on_failure("validation")
-            raise
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # counted here: mid-stream failures never reach an error handler
             self.metrics.on_failure("generation")
             raise GenerationFailed(str(exc)) from exc
         finally:

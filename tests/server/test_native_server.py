@@ -182,3 +182,30 @@ def test_disconnected_streams_are_aborted_and_free_the_kv_cache(server):
             break
         time.sleep(0.05)
     assert idle, metrics
+
+
+METRIC_NAMES = (
+    "lorax_request_count", "lorax_request_success", "lorax_request_failure", "lorax_request_duration",
+    "lorax_request_queue_duration", "lorax_request_mean_time_per_token_duration", "lorax_request_generated_tokens",
+    "lorax_request_input_length", "lorax_queue_length", "lorax_batch_current_size", "vllm:num_requests_waiting",
+    "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:lora_requests_info",
+)
+
+
+def sample(metrics_text: str, prefix: str) -> float:
+    return sum(float(l.split()[-1]) for l in metrics_text.splitlines() if l.startswith(prefix))
+
+
+def test_metrics_exist_and_move(server):
+    before = httpx.get(f"{server}/metrics", timeout=10).text
+    for name in METRIC_NAMES:
+        assert f"# TYPE {name} " in before, name
+    body = {"inputs": "Hello there", "parameters": {"max_new_tokens": 5, "ignore_eos_token": True}}
+    assert httpx.post(f"{server}/generate", json=body, timeout=60).status_code == 200
+    assert httpx.post(f"{server}/generate", json={"inputs": "x", "parameters": {"stop": list("abcdef")}}, timeout=10).status_code == 422
+    after = httpx.get(f"{server}/metrics", timeout=10).text
+    assert sample(after, "lorax_request_count{") == sample(before, "lorax_request_count{") + 1
+    assert sample(after, "lorax_request_success{") == sample(before, "lorax_request_success{") + 1
+    assert sample(after, "lorax_request_generated_tokens_sum") == sample(before, "lorax_request_generated_tokens_sum") + 5
+    assert sample(after, "lorax_request_duration_count") == sample(before, "lorax_request_duration_count") + 1
+    assert sample(after, 'lorax_request_failure{err="validation"}') == sample(before, 'lorax_request_failure{err="validation"}') + 1

@@ -1,0 +1,80 @@
+"""Conformance with LoRAX's own Python client (lorax-client 0.6.3) against a live server."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+from lorax import Client
+from lorax.errors import ValidationError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def client():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loraplex.cli", "serve", "--port", str(port), "--max-batch-total-tokens", "8192"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    ready = threading.Event()
+    log: list[str] = []
+
+    def drain() -> None:
+        for line in proc.stdout:
+            log.append(line)
+            if line.startswith("loraplex ready"):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        assert ready.wait(timeout=180) and proc.poll() is None, "server did not start:\n" + "".join(log)
+        yield Client(f"http://127.0.0.1:{port}", timeout=120)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_generate_with_details(client):
+    response = client.generate("The capital of France is", max_new_tokens=8)
+    details = response.details
+    assert response.generated_text and details.generated_tokens == len(details.tokens) == 8
+    assert details.finish_reason.value in ("length", "eos_token")
+    assert all(t.logprob <= 0 for t in details.tokens)
+
+
+def test_generate_stream_joins_to_the_same_text(client):
+    whole = client.generate("The capital of France is", max_new_tokens=12).generated_text
+    pieces, final = [], None
+    for event in client.generate_stream("The capital of France is", max_new_tokens=12):
+        pieces.append(event.token.text)
+        final = event
+    assert final.generated_text == "".join(pieces) == whole
+    assert final.details.generated_tokens == len(pieces) > 1
+
+
+def test_decoder_input_details_and_alternatives(client):
+    response = client.generate("One, two, three,", max_new_tokens=3, decoder_input_details=True, return_k_alternatives=2)
+    prefill = response.details.prefill
+    assert prefill[0].logprob is None and all(t.logprob <= 0 for t in prefill[1:])
+    for token in response.details.tokens:
+        assert len(token.alternative_tokens) == 2
+        assert token.alternative_tokens[0].logprob >= token.alternative_tokens[1].logprob
+
+
+def test_validation_errors_are_typed(client):
+    with pytest.raises(ValidationError, match="top_p"):
+        client.generate("hi", top_p=1.5)
+    with pytest.raises(ValidationError, match="max total tokens"):
+        client.generate("hi", max_new_tokens=100000)
+    assert client.generate("hi", max_new_tokens=1).details.generated_tokens == 1
