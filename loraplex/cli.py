@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 import socket
 import sys
@@ -75,7 +77,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loraplex.engine.engine import Engine
     from loraplex.server.app import create_app
 
-    engine = Engine.from_config(_engine_config(args))
+    if args.json_output:
+        _log_as_json()
+    engine = Engine.from_config(_engine_config(args), show_progress=True)
     server_config = ServerConfig(
         max_concurrent_requests=args.max_concurrent_requests,
         max_stop_sequences=args.max_stop_sequences,
@@ -90,13 +94,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.hostname, args.port))
     sock.listen(2048)
-    print(
+    ready = (
         f"loraplex ready: {engine.model_id} on {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
-        f"KV cache {engine.kv_capacity_tokens} tokens, http://{args.hostname}:{args.port}",
-        file=sys.stderr, flush=True,
+        f"KV cache {engine.kv_capacity_tokens} tokens, http://{args.hostname}:{args.port}"
     )
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    print(ready, file=sys.stderr, flush=True)
+    logging.getLogger("loraplex").info(ready)
+    log_config = None if args.json_output else uvicorn.config.LOGGING_CONFIG
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=log_config)).run(sockets=[sock])
     return 0
+
+
+def _log_as_json() -> None:
+    """--json-output: log records (ours and uvicorn's) as one JSON object per line on stderr."""
+
+    class JsonFormatter(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return json.dumps({"timestamp": self.formatTime(record), "level": record.levelname,
+                               "target": record.name, "message": record.getMessage()})
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

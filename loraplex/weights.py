@@ -168,17 +168,29 @@ def safetensors_files(path: pathlib.Path, model_id: str | None = None) -> list[p
 
 
 def load_state_dict(
-    source: ModelSource | str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    source: ModelSource | str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+    show_progress: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """All tensors of a model's safetensors (sharded or not), on `device`; floating tensors cast to `dtype`."""
+    """All tensors of a model's safetensors (sharded or not), on `device`; floating tensors cast to `dtype`.
+
+    `show_progress` draws a progress bar over the tensors on stderr (the server's start-up).
+    """
     from safetensors import safe_open
+    from tqdm import tqdm
 
     path = source.path if isinstance(source, ModelSource) else pathlib.Path(source)
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
-    for file in safetensors_files(path):
+    files = safetensors_files(path)
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            total += len(f.keys())
+    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not show_progress, file=sys.stderr)
+    for file in files:
         with safe_open(str(file), framework="pt", device=str(device)) as f:
             for key in f.keys():
+                bar.update()
                 if key in state:
                     raise WeightsError(f"tensor {key!r} appears in both {origin[key]} and {file.name}")
                 tensor = f.get_tensor(key)
@@ -186,6 +198,7 @@ def load_state_dict(
                     tensor = tensor.to(dtype)
                 state[key] = tensor
                 origin[key] = file.name
+    bar.close()
     return state
 
 

@@ -81,8 +81,8 @@ class Engine:
         self._next_id = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "Engine":
-        return cls(load_model(config), config)
+    def from_config(cls, config: EngineConfig, show_progress: bool = False) -> "Engine":
+        return cls(load_model(config, show_progress=show_progress), config)
 
     # ---- capacity ---------------------------------------------------------------------------------
 

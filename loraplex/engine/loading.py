@@ -50,14 +50,17 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor]) -> nn.Modul
     return model.eval()
 
 
-def load_model(config: EngineConfig, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> LoadedModel:
+def load_model(
+    config: EngineConfig, log=lambda msg: print(msg, file=sys.stderr, flush=True), show_progress: bool = False
+) -> LoadedModel:
     started = time.perf_counter()
     source: ModelSource = resolve_model(config.model_id)
     model_config = ModelConfig.from_hf(source.hf_config)
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
     log(f"loading {source.model_id} ({model_config.num_layers} layers) on {device} as {str(dtype).removeprefix('torch.')}")
-    model = build_model(model_config, load_state_dict(source, device=str(device), dtype=dtype))
+    state = load_state_dict(source, device=str(device), dtype=dtype, show_progress=show_progress)
+    model = build_model(model_config, state)
     tokenizer = Tokenizer.from_pretrained(str(source.path), extra_eos_ids=_generation_eos_ids(source, model_config))
     log(f"model loaded in {time.perf_counter() - started:.1f}s")
     return LoadedModel(model, model_config, tokenizer, device, dtype, source.model_id)

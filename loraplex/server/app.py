@@ -10,13 +10,17 @@ from loraplex import __version__
 from loraplex.config import ServerConfig
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.server import native, openai_routes, playground
+from loraplex.server.docs import mount_docs
 from loraplex.server.errors import install_error_handlers
 from loraplex.server.metrics import Metrics
 from loraplex.server.state import ServerState, get_state
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
-    app = FastAPI(title="loraplex", version=__version__, description="Multi-LoRA inference server (LoRAX/TGI and OpenAI APIs).")
+    app = FastAPI(
+        title="loraplex", version=__version__, description="Multi-LoRA inference server (LoRAX/TGI and OpenAI APIs).",
+        docs_url=None, redoc_url=None,  # served below from local files: no CDN, works offline
+    )
     state = ServerState(engine, config or ServerConfig(), Metrics(engine.engine))
     app.state.loraplex = state
     if state.config.cors_allow_origin:
@@ -27,6 +31,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     app.include_router(native.router)
     app.include_router(openai_routes.router)
     app.include_router(playground.router)
+
+    mount_docs(app)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:

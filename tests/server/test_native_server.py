@@ -209,3 +209,12 @@ def test_metrics_exist_and_move(server):
     assert sample(after, "lorax_request_generated_tokens_sum") == sample(before, "lorax_request_generated_tokens_sum") + 5
     assert sample(after, "lorax_request_duration_count") == sample(before, "lorax_request_duration_count") + 1
     assert sample(after, 'lorax_request_failure{err="validation"}') == sample(before, 'lorax_request_failure{err="validation"}') + 1
+
+
+def test_openapi_docs_are_served_offline(server):
+    page = httpx.get(f"{server}/docs", timeout=10)
+    assert page.status_code == 200 and "/docs-static/swagger-ui-bundle.js" in page.text
+    assert "cdn" not in page.text.lower()
+    assert httpx.get(f"{server}/docs-static/swagger-ui-bundle.js", timeout=10).status_code == 200
+    schema = httpx.get(f"{server}/openapi.json", timeout=10).json()
+    assert {"/generate", "/generate_stream", "/tokenize"} <= set(schema["paths"])
