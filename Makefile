@@ -24,8 +24,12 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	$(VENV)/bin/loraplex serve --hostname $(HOST) --port $(PORT)
 
-test: install
+test: install browser
 	$(VENV)/bin/python -m pytest -q tests --ignore=tests/gpu
 
 bench: install
 	$(VENV)/bin/loraplex bench
+
+# Headless Chromium for the playground page's browser test (Debian's package).
+browser:
+	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
