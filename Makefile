@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.loraplex-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
 
-.PHONY: install serve test bench
+.PHONY: install serve test bench browser
 
 install: $(STAMP)
 

@@ -1,5 +1,422 @@
-"""OpenAI-compatible routes (/v1/...)."""
+"""OpenAI-compatible routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
 
-from fastapi import APIRouter
+Each choice (n per prompt) is one engine request run through `ServerState.generate`; the n run
+concurrently, and a streamed answer merges their outputs into one SSE stream. Errors before the
+first output are plain OpenAI errors (errors.py); an error mid-stream is an SSE `error` event.
+"""
 
-router = APIRouter()
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from loraplex.engine.engine import RequestOutput
+from loraplex.params import SamplingParams, TokenInfo
+from loraplex.protocol.openai import (
+    AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatStreamChoice,
+    ChoiceLogprobs, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse,
+    DeltaMessage, ModelCard, ModelList, SamplingFields, Unsupported, UsageInfo, finish_reason_name,
+)
+from loraplex.server.errors import BadRequest, ModelNotFound
+from loraplex.server.state import GenerationFailed, ServerState, get_state
+
+router = APIRouter(prefix="/v1")
+T = TypeVar("T")
+
+# ---- models --------------------------------------------------------------------------------------
+
+
+def served_model_ids(state: ServerState) -> list[str]:
+    """Every `model` a client may ask for. Adapters join this list with the multi-LoRA issue."""
+    return [state.model_id]
+
+
+def resolve_model(state: ServerState, requested: str | None) -> str:
+    """The model id a response names; "" or no model means the base model."""
+    if not requested:
+        return state.model_id
+    if requested not in served_model_ids(state):
+        raise ModelNotFound(
+            f"The model `{requested}` does not exist: this server serves {', '.join(served_model_ids(state))}"
+        )
+    return requested
+
+
+def model_card(state: ServerState, model_id: str) -> ModelCard:
+    return ModelCard(id=model_id, created=int(state.started_at), root=state.model_id)
+
+
+@router.get("/models")
+async def list_models(request: Request):
+    state = get_state(request)
+    return ModelList(data=[model_card(state, m) for m in served_model_ids(state)]).model_dump()
+
+
+@router.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request):
+    state = get_state(request)
+    return model_card(state, resolve_model(state, model_id)).model_dump()
+
+
+# ---- validation -> engine inputs -----------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One choice: one engine request."""
+
+    index: int  # the choice index (before best_of selection)
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    echo: str = ""  # prepended to the text (completions `echo`)
+
+
+def check_length(state: ServerState, prompt_ids: list[int], max_tokens: int, name: str) -> None:
+    """The limits native.prepare enforces, with the OpenAI field names."""
+    if not prompt_ids:
+        raise BadRequest(f"{name} must not be empty (it has no tokens)", name)
+    max_input = state.core.config.max_input_length
+    if len(prompt_ids) > max_input:
+        raise BadRequest(f"{name} must have at most {max_input} tokens (max input length); got {len(prompt_ids)}", name)
+    max_total = state.core.max_total_tokens
+    if len(prompt_ids) + max_tokens > max_total:
+        raise BadRequest(
+            f"prompt tokens + max_tokens must be <= {max_total} (max total tokens); "
+            f"got {len(prompt_ids)} + {max_tokens}", "max_tokens",
+        )
+
+
+def sampling_params(
+    state: ServerState, body: SamplingFields, max_tokens: int, top_n: int = 0, prompt_logprobs: bool = False
+) -> SamplingParams:
+    limit = state.config.max_stop_sequences
+    if len(body.stops) > limit:
+        raise BadRequest(
+            f"stop must have at most {limit} sequences (max stop sequences); got {len(body.stops)}", "stop"
+        )
+    return body.to_sampling_params(max_tokens, top_n, prompt_logprobs)
+
+
+def refusing(method: Callable[[], T]) -> T:
+    """Call a protocol check; what it refuses is a 400 naming the field."""
+    try:
+        return method()
+    except Unsupported as exc:
+        raise BadRequest(str(exc), exc.param) from exc
+
+
+def fan_out(state: ServerState, params: SamplingParams, count: int, prompts: int) -> list[SamplingParams]:
+    """`count` runs of one prompt; with a seed, run i gets seed + i so that the choices differ."""
+    if count * prompts > state.config.max_concurrent_requests:
+        raise BadRequest(
+            f"n (times the number of prompts) must be <= {state.config.max_concurrent_requests} "
+            f"(max concurrent requests); got {count * prompts}", "n",
+        )
+    if params.seed is None:
+        return [params] * count
+    return [replace(params, seed=(params.seed + i) % 2**64) for i in range(count)]
+
+
+def prepare_completion(state: ServerState, body: CompletionRequest) -> list[Job]:
+    refusing(body.check)
+    prompts = body.prompts()
+    if not prompts:
+        raise BadRequest("prompt must not be empty", "prompt")
+    n, runs = body.choices_per_prompt, body.best_of or body.choices_per_prompt
+    if runs > max(n, state.config.max_best_of):
+        raise BadRequest(f"best_of > n must be <= {state.config.max_best_of} (max best of); got {runs}", "best_of")
+    wants_prompt_logprobs = bool(body.echo) and body.logprobs is not None
+    max_tokens = body.max_tokens or 16
+    params = sampling_params(state, body, max_tokens, body.logprobs or 0, wants_prompt_logprobs)
+    tokenizer = state.tokenizer
+    jobs = []
+    for p, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            ids, text = tokenizer.encode(prompt, add_special_tokens=True), prompt
+        else:
+            if any(not 0 <= i < tokenizer.vocab_size for i in prompt):
+                raise BadRequest(f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
+            ids, text = list(prompt), tokenizer.decode(prompt, skip_special_tokens=False)
+        check_length(state, ids, max_tokens, "prompt")
+        for k, sp in enumerate(fan_out(state, params, runs, len(prompts))):
+            jobs.append(Job(p * runs + k, p, ids, sp, text if body.echo else ""))
+    return jobs
+
+
+def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> list[Job]:
+    refusing(body.check)
+    messages = refusing(body.template_messages)
+    try:
+        prompt = state.tokenizer.apply_chat_template(messages)
+    except Exception as exc:  # no template, or the template refused these messages
+        raise BadRequest(f"messages cannot be turned into a prompt: {exc}", "messages") from exc
+    ids = state.tokenizer.encode(prompt, add_special_tokens=False)
+    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, state.core.max_total_tokens - len(ids))
+    check_length(state, ids, max_tokens, "messages")
+    top_n = (body.top_logprobs or 0) if body.logprobs else 0
+    params = sampling_params(state, body, max_tokens, top_n)
+    return [Job(k, 0, ids, sp) for k, sp in enumerate(fan_out(state, params, body.choices_per_prompt, 1))]
+
+
+# ---- running: n engine requests at once ----------------------------------------------------------
+
+
+@dataclass
+class Finished:
+    final: RequestOutput
+    tokens: list[TokenInfo]
+
+    @property
+    def logprob_sum(self) -> float:
+        return sum(t.logprob or 0.0 for t in self.tokens)
+
+
+async def _all_or_none(coros: list) -> list:
+    """Run concurrently; when one fails (or the caller is cancelled) cancel the rest and wait for them."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_all(state: ServerState, jobs: list[Job]) -> list[Finished]:
+    async def run(job: Job) -> Finished:
+        tokens, final = [], None
+        async for final in state.generate(job.prompt_ids, job.params):
+            if final.token is not None:
+                tokens.append(final.token)
+        return Finished(final, tokens)
+
+    return await _all_or_none([run(job) for job in jobs])
+
+
+Started = list[tuple[AsyncIterator[RequestOutput], RequestOutput]]
+
+
+async def start_all(state: ServerState, jobs: list[Job]) -> Started:
+    """Every job's first output, so that refusals come back as plain errors; on failure none stays open."""
+    streams = [state.generate(job.prompt_ids, job.params) for job in jobs]
+
+    async def first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        return await anext(stream)
+
+    try:
+        return list(zip(streams, await _all_or_none([first(s) for s in streams])))
+    except BaseException:
+        for s in streams:
+            await s.aclose()
+        raise
+
+
+async def merge(started: Started) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(job position, output) from all streams as they come. Closing this closes (aborts) every stream."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out, None))
+        except Exception as exc:  # noqa: BLE001 — handed to the reader, which ends the response
+            queue.put_nowait((i, None, exc))
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, (s, _) in enumerate(started)]
+    try:
+        for i, (_, first) in enumerate(started):
+            yield i, first
+        running = sum(not first.finished for _, first in started)
+        while running:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            yield i, out
+            running -= out.finished
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ---- rendering -----------------------------------------------------------------------------------
+
+
+def usage(jobs: list[Job], finals: list[RequestOutput]) -> UsageInfo:
+    """Each prompt counts once, however many choices it has; every choice's tokens count."""
+    prompts = {j.prompt_index: len(j.prompt_ids) for j in jobs}
+    return UsageInfo.of(sum(prompts.values()), sum(f.num_generated_tokens for f in finals))
+
+
+@dataclass
+class ChoiceStream:
+    """One streamed choice's text: holds back the tail a stop sequence could still claim (as vLLM does)."""
+
+    hold: int
+    text: str = ""
+    sent: int = 0
+    pending: list[TokenInfo] = field(default_factory=list)
+
+    def advance(self, out: RequestOutput) -> str:
+        if out.token is not None:
+            self.pending.append(out.token)
+        if out.finished:
+            full, upto = out.generated_text or "", len(out.generated_text or "")
+        else:
+            self.text += out.token.text if out.token else ""
+            full, upto = self.text, len(self.text) - self.hold
+        delta = full[self.sent : upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
+        return delta
+
+    def take(self) -> list[TokenInfo]:
+        tokens, self.pending = self.pending, []
+        return tokens
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class Renderer:
+    """How one API spells its chunks; `content(job, text, tokens-or-None)`, `finish(job, reason)`."""
+
+    opening: Callable[[Job], dict | None]
+    content: Callable[[Job, str, list[TokenInfo] | None], dict]
+    finish: Callable[[Job, str], dict]
+    usage: Callable[[UsageInfo], dict]
+
+
+async def stream_events(
+    jobs: list[Job], started: Started, stops: list[str], logprobs: bool, include_usage: bool, render: Renderer
+) -> AsyncIterator[str]:
+    def chunk(payload: dict) -> str:
+        if not include_usage:
+            payload.pop("usage", None)
+        return sse(payload)
+
+    choices = [ChoiceStream(hold=0) for _ in jobs]
+    finals: list[RequestOutput] = []
+    outputs = merge(started)
+    try:
+        for job in jobs:
+            if (opening := render.opening(job)) is not None:
+                yield chunk(opening)
+        async for i, out in outputs:
+            job, choice = jobs[i], choices[i]
+            delta = choice.advance(out)
+            if delta or (out.finished and logprobs and choice.pending):
+                tokens = choice.take()  # the tokens that made this text
+                yield chunk(render.content(job, delta, tokens if logprobs else None))
+            if out.finished:
+                finals.append(out)
+                yield chunk(render.finish(job, finish_reason_name(out.finish_reason)))
+        if include_usage:
+            yield sse(render.usage(usage(jobs, finals)))
+    except GenerationFailed as exc:
+        yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+    finally:
+        await outputs.aclose()  # a client that went away aborts all n requests here
+    yield "data: [DONE]\n\n"
+
+
+# ---- routes --------------------------------------------------------------------------------------
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request):
+    state = get_state(request)
+    model = resolve_model(state, body.model)
+    jobs = prepare_completion(state, body)
+    rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.choices_per_prompt
+    if body.stream:
+        started = await start_all(state, jobs)
+        offsets = {job.index: len(job.echo) for job in jobs}
+
+        def content(job: Job, text: str, tokens: list[TokenInfo] | None) -> dict:
+            logprobs = None
+            if tokens is not None:
+                logprobs = CompletionLogprobs()
+                offsets[job.index] = logprobs.extend(tokens, offsets[job.index], state.tokenizer.token_text)
+            return CompletionChunk(id=rid, created=created, model=model, choices=[
+                CompletionChoice(index=job.index, text=text, logprobs=logprobs)]).model_dump()
+
+        render = Renderer(
+            opening=lambda job: content(job, job.echo, None) if job.echo else None,
+            content=content,
+            finish=lambda job, reason: CompletionChunk(id=rid, created=created, model=model, choices=[
+                CompletionChoice(index=job.index, text="", finish_reason=reason)]).model_dump(),
+            usage=lambda u: CompletionChunk(id=rid, created=created, model=model, choices=[], usage=u).model_dump(),
+        )
+        events = stream_events(jobs, started, body.stops, body.logprobs is not None, body.include_usage, render)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    results = await run_all(state, jobs)
+    choices = []
+    for p in sorted({job.prompt_index for job in jobs}):
+        runs = [(job, r) for job, r in zip(jobs, results) if job.prompt_index == p]
+        if len(runs) > n:  # best_of: the n most likely
+            runs = sorted(runs, key=lambda jr: jr[1].logprob_sum, reverse=True)[:n]
+        for k, (job, r) in enumerate(runs):
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = CompletionLogprobs()
+                logprobs.extend(r.final.prompt_tokens or [] if job.echo else [], 0, state.tokenizer.token_text)
+                logprobs.extend(r.tokens, len(job.echo), state.tokenizer.token_text)
+            choices.append(CompletionChoice(index=p * n + k, text=job.echo + (r.final.generated_text or ""),
+                                            logprobs=logprobs, finish_reason=finish_reason_name(r.final.finish_reason)))
+    response = CompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                  usage=usage(jobs, [r.final for r in results]))
+    return JSONResponse(response.model_dump())
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    state = get_state(request)
+    model = resolve_model(state, body.model)
+    jobs = prepare_chat(state, body)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    if body.stream:
+        started = await start_all(state, jobs)
+
+        def chunk(job: Job, delta: DeltaMessage, **fields) -> dict:
+            choice = ChatStreamChoice(index=job.index, delta=delta, **fields)
+            return ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]).model_dump()
+
+        def content(job: Job, text: str, tokens: list[TokenInfo] | None) -> dict:
+            logprobs = None if tokens is None else ChoiceLogprobs.of(tokens, state.tokenizer.token_text)
+            return chunk(job, DeltaMessage(content=text), logprobs=logprobs)
+
+        render = Renderer(
+            opening=lambda job: chunk(job, DeltaMessage(role="assistant", content="")),
+            content=content,
+            finish=lambda job, reason: chunk(job, DeltaMessage(), finish_reason=reason),
+            usage=lambda u: ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=u).model_dump(),
+        )
+        events = stream_events(jobs, started, body.stops, bool(body.logprobs), body.include_usage, render)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    results = await run_all(state, jobs)
+    choices = [
+        ChatChoice(
+            index=job.index, message=AssistantMessage(content=r.final.generated_text or ""),
+            logprobs=ChoiceLogprobs.of(r.tokens, state.tokenizer.token_text) if body.logprobs else None,
+            finish_reason=finish_reason_name(r.final.finish_reason),
+        )
+        for job, r in zip(jobs, results)
+    ]
+    response = ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                      usage=usage(jobs, [r.final for r in results]))
+    return JSONResponse(response.model_dump())
