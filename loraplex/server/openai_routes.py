@@ -307,7 +307,7 @@ async def stream_events(
             payload.pop("usage", None)
         return sse(payload)
 
-    choices = [ChoiceStream(hold=0) for _ in jobs]
+    choices = [ChoiceStream(hold=max((len(s) for s in stops), default=1) - 1) for _ in jobs]
     finals: list[RequestOutput] = []
     outputs = merge(started)
     try:

@@ -1,0 +1,360 @@
+"""OpenAI API schemas: /v1/completions, /v1/chat/completions, /v1/models (the shapes vLLM serves).
+
+Field ranges are checked here (pydantic: a bad value is a 400 naming the field), and so is what the
+server cannot serve yet (`check()` raises `Unsupported` naming the field; the routes answer 400).
+Checks that need the server's limits or tokenizer (stop count, prompt length, model name, n) live in
+server/openai_routes.py. Unknown fields are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_serializer
+
+from loraplex.engine.request import FinishReason
+from loraplex.params import SamplingParams, TokenInfo
+
+FinishReasonName = Literal["stop", "length"]
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def logprob(value: float | None) -> float:
+    return MIN_LOGPROB if value is None else max(value, MIN_LOGPROB)
+
+
+class Unsupported(ValueError):
+    """A field value this server refuses; `param` names the field (the routes answer 400)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def finish_reason_name(reason: FinishReason | None) -> FinishReasonName:
+    """OpenAI has "stop" (end of sequence token or a stop sequence) and "length"."""
+    return "length" if reason is FinishReason.LENGTH else "stop"
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat completions share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int | None = Field(default=1, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # refused when not empty
+    user: str | None = None  # accepted, ignored
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    # Extensions (the openai client sends them as `extra_body`), as vLLM and LoRAX name them.
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(default=None, ge=0.0, lt=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    adapter_source: str | None = None  # accepted; served with adapters (the multi-LoRA issue)
+    api_token: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    @property
+    def stops(self) -> list[str]:
+        return list(self.stop or [])
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check(self) -> None:
+        """Refuse, by name, what the schema accepts but the server cannot serve yet."""
+        if self.logit_bias:
+            raise Unsupported("logit_bias is not supported yet", "logit_bias")
+
+    def to_sampling_params(self, max_tokens: int, top_n: int = 0, prompt_logprobs: bool = False) -> SamplingParams:
+        """OpenAI semantics: temperature 0 is greedy (other warpers off); otherwise sampling (default 1.0)."""
+        greedy = SamplingParams(
+            max_new_tokens=max_tokens, seed=self.seed, stop=tuple(self.stops),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            repetition_penalty=self.repetition_penalty or 1.0, frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0, ignore_eos=self.ignore_eos, top_n_tokens=top_n,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+        )
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if temperature == 0.0:
+            return greedy
+        return replace(
+            greedy, do_sample=True, temperature=temperature, top_k=max(0, self.top_k or 0), top_p=self.top_p or 1.0,
+            min_p=self.min_p or 0.0,
+        )
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    echo: bool | None = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None  # refused when given
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, p: Any) -> Any:
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+
+        if not (isinstance(p, str) or ids(p) or isinstance(p, list) and (
+                all(isinstance(x, str) for x in p) or all(ids(x) for x in p))):
+            raise ValueError("must be a string, a list of strings, a list of token ids or a list of token id lists")
+        return p
+
+    def check(self) -> None:
+        super().check()
+        if self.suffix:
+            raise Unsupported("suffix is not supported yet", "suffix")
+        n, best_of = self.choices_per_prompt, self.best_of or self.choices_per_prompt
+        if best_of < n:
+            raise Unsupported(f"best_of must be >= n; got best_of={best_of}, n={n}", "best_of")
+        if self.stream and best_of > n:
+            raise Unsupported("best_of > n is not supported when streaming", "best_of")
+        if self.stream and self.echo and self.logprobs is not None:
+            raise Unsupported("echo with logprobs is not supported when streaming", "echo")
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompt as a list: of strings, or of token id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [p]  # one prompt of token ids
+        return list(p)
+
+
+class ContentPart(BaseModel, extra="allow"):
+    """One part of a message's content: {"type": "text", "text": ...}; other types are refused by name."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel, extra="allow"):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def for_template(self, i: int) -> dict[str, str]:
+        """{"role", "content"} for the chat template: text parts joined by newlines, as vLLM does."""
+        if self.role in ("tool", "function"):
+            raise Unsupported(f"role {self.role!r} is not supported yet (no tool calling)", f"messages[{i}].role")
+        role = "system" if self.role == "developer" else self.role
+        if self.content is None or isinstance(self.content, str):
+            return {"role": role, "content": self.content or ""}
+        texts = []
+        for j, part in enumerate(self.content):
+            where = f"messages[{i}].content[{j}]"
+            if part.type in ("image_url", "image", "input_image"):
+                raise Unsupported("images are not supported yet", where)
+            if part.type != "text" or part.text is None:
+                raise Unsupported(f"content parts of type {part.type!r} are not supported (only text)", where)
+            texts.append(part.text)
+        return {"role": role, "content": "\n".join(texts)}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    def check(self) -> None:
+        super().check()
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise Unsupported(f"{name} are not supported yet (no tool calling)", name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise Unsupported(f"{name} is not supported yet (no tool calling)", name)
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise Unsupported(f"response_format {kind!r} is not supported yet", "response_format")
+        if self.top_logprobs and not self.logprobs:
+            raise Unsupported("top_logprobs needs logprobs: true", "top_logprobs")
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [m.for_template(i) for i, m in enumerate(self.messages)]
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "loraplex"
+    root: str | None = None
+    parent: str | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+    def extend(self, tokens: list[TokenInfo], offset: int, token_text: Callable[[int], str]) -> int:
+        """Append tokens whose text starts at `offset`; returns the offset after them. A token's share of the
+        text is `TokenInfo.text` (a generated token's piece; a prompt token's own text)."""
+        for t in tokens:
+            text = token_text(t.id)
+            self.tokens.append(text)
+            self.token_logprobs.append(None if t.logprob is None else logprob(t.logprob))
+            top = {text: logprob(t.logprob)} | {a.text: logprob(a.logprob) for a in t.top_tokens}
+            self.top_logprobs.append(None if t.logprob is None else top)
+            self.text_offset.append(offset)
+            offset += len(t.text)
+        return offset
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReasonName | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+    @classmethod
+    def of(cls, tokens: list[TokenInfo], token_text: Callable[[int], str]) -> ChoiceLogprobs:
+        def top(t: TokenInfo, text: str) -> dict:
+            return {"token": text, "logprob": logprob(t.logprob), "bytes": list(text.encode())}
+
+        return cls(content=[
+            TokenLogprob(**top(t, token_text(t.id)), top_logprobs=[TopLogprob(**top(a, a.text)) for a in t.top_tokens])
+            for t in tokens
+        ])
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReasonName | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _only_set(self) -> dict[str, str]:
+        """A delta carries only what changed: `{}` on the final chunk."""
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReasonName | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
