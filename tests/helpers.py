@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 from loraplex.config import EngineConfig, ModelConfig
@@ -67,3 +74,41 @@ def full_logits(model, config: ModelConfig, token_ids: list[int], device: str = 
     with forward_context(ForwardContext(batch.metadata, runner.kv_caches, runner.backend)):
         hidden = model(batch.input_ids, batch.positions)
     return model.compute_logits(hidden).float()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live_server(*args: str, ready_timeout: float = 180) -> Iterator[str]:
+    """`loraplex serve` in a subprocess on a free 127.0.0.1 port; yields its URL once it accepts.
+
+    The server binds its socket before printing its ready line, so the line is the readiness signal.
+    """
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loraplex.cli", "serve", "--hostname", "127.0.0.1", "--port", str(port), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    ready = threading.Event()
+    log: list[str] = []
+
+    def drain() -> None:  # keep reading so the pipe never fills; flag the ready line
+        for line in proc.stdout:
+            log.append(line)
+            if line.startswith("loraplex ready"):
+                ready.set()
+        ready.set()  # exited: let the caller fail fast
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        assert ready.wait(timeout=ready_timeout) and proc.poll() is None, "server did not start:\n" + "".join(log)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

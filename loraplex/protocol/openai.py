@@ -271,13 +271,18 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReasonName | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Envelope(BaseModel):
+    """What every completion response and stream chunk carries."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+class CompletionResponse(_Envelope):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class TopLogprob(BaseModel):
@@ -342,19 +347,11 @@ class ChatStreamChoice(BaseModel):
     finish_reason: FinishReasonName | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class CompletionChunk(_Envelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None

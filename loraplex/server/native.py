@@ -13,13 +13,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from loraplex import __version__
 from loraplex.engine.engine import RequestOutput
-from loraplex.params import SamplingParams, TokenInfo
+from loraplex.params import SamplingParams
 from loraplex.protocol.native import (
     BestOfSequence, CompatGenerateRequest, Details, GenerateRequest, GenerateResponse, StreamDetails,
     StreamResponse, Token, TokenizeRequest,
 )
 from loraplex.server.errors import BadRequest, native_error
-from loraplex.server.state import GenerationFailed, ServerState, get_state
+from loraplex.server.state import GenerationFailed, ServerState, get_state, run_to_end
 
 router = APIRouter()
 
@@ -71,27 +71,6 @@ def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
         )
     prefix = body.inputs if p.return_full_text else ""
     return Prepared(prompt_ids, p.to_sampling_params(max_new), prefix, time.perf_counter() - started)
-
-
-@dataclass
-class Finished:
-    final: RequestOutput
-    tokens: list[TokenInfo]
-
-    @property
-    def logprob_sum(self) -> float:
-        return sum(t.logprob or 0.0 for t in self.tokens)
-
-
-async def run_to_end(state: ServerState, prompt_ids: list[int], params: SamplingParams) -> Finished:
-    tokens: list[TokenInfo] = []
-    final = None
-    async for out in state.generate(prompt_ids, params):
-        if out.token is not None:
-            tokens.append(out.token)
-        final = out
-    assert final is not None and final.finished
-    return Finished(final, tokens)
 
 
 def headers(state: ServerState, prepared: Prepared, final: RequestOutput, started: float) -> dict[str, str]:

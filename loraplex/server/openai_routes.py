@@ -26,7 +26,7 @@ from loraplex.protocol.openai import (
     DeltaMessage, ModelCard, ModelList, SamplingFields, Unsupported, UsageInfo, finish_reason_name,
 )
 from loraplex.server.errors import BadRequest, ModelNotFound
-from loraplex.server.state import GenerationFailed, ServerState, get_state
+from loraplex.server.state import Finished, GenerationFailed, ServerState, get_state, run_to_end
 
 router = APIRouter(prefix="/v1")
 T = TypeVar("T")
@@ -170,16 +170,6 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> list[Job]:
 # ---- running: n engine requests at once ----------------------------------------------------------
 
 
-@dataclass
-class Finished:
-    final: RequestOutput
-    tokens: list[TokenInfo]
-
-    @property
-    def logprob_sum(self) -> float:
-        return sum(t.logprob or 0.0 for t in self.tokens)
-
-
 async def _all_or_none(coros: list) -> list:
     """Run concurrently; when one fails (or the caller is cancelled) cancel the rest and wait for them."""
     tasks = [asyncio.ensure_future(c) for c in coros]
@@ -192,14 +182,7 @@ async def _all_or_none(coros: list) -> list:
 
 
 async def run_all(state: ServerState, jobs: list[Job]) -> list[Finished]:
-    async def run(job: Job) -> Finished:
-        tokens, final = [], None
-        async for final in state.generate(job.prompt_ids, job.params):
-            if final.token is not None:
-                tokens.append(final.token)
-        return Finished(final, tokens)
-
-    return await _all_or_none([run(job) for job in jobs])
+    return await _all_or_none([run_to_end(state, job.prompt_ids, job.params) for job in jobs])
 
 
 Started = list[tuple[AsyncIterator[RequestOutput], RequestOutput]]

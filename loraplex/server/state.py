@@ -17,8 +17,20 @@ from fastapi import Request
 from loraplex.config import ServerConfig
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import Engine, RequestOutput
-from loraplex.params import SamplingParams
+from loraplex.params import SamplingParams, TokenInfo
 from loraplex.server.metrics import Metrics
+
+
+@dataclass
+class Finished:
+    """A request run to its end: the final output and every generated token."""
+
+    final: RequestOutput
+    tokens: list[TokenInfo]
+
+    @property
+    def logprob_sum(self) -> float:
+        return sum(t.logprob or 0.0 for t in self.tokens)
 
 
 class Overloaded(Exception):
@@ -83,6 +95,16 @@ class ServerState:
         finally:
             await stream.aclose()
             self.release()
+
+
+async def run_to_end(state: ServerState, prompt_ids: list[int], params: SamplingParams) -> Finished:
+    tokens: list[TokenInfo] = []
+    final = None
+    async for final in state.generate(prompt_ids, params):
+        if final.token is not None:
+            tokens.append(final.token)
+    assert final is not None and final.finished
+    return Finished(final, tokens)
 
 
 def get_state(request: Request) -> ServerState:

@@ -2,47 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import threading
-
 import pytest
 from lorax import Client
 from lorax.errors import ValidationError
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import live_server
 
 
 @pytest.fixture(scope="module")
 def client():
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loraplex.cli", "serve", "--port", str(port), "--max-batch-total-tokens", "8192"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    ready = threading.Event()
-    log: list[str] = []
-
-    def drain() -> None:
-        for line in proc.stdout:
-            log.append(line)
-            if line.startswith("loraplex ready"):
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    try:
-        assert ready.wait(timeout=180) and proc.poll() is None, "server did not start:\n" + "".join(log)
-        yield Client(f"http://127.0.0.1:{port}", timeout=120)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with live_server("--max-batch-total-tokens", "8192") as url:
+        yield Client(url, timeout=120)
 
 
 def test_generate_with_details(client):

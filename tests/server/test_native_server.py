@@ -3,49 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import live_server
 
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loraplex.cli", "serve", "--hostname", "127.0.0.1", "--port", str(port),
-         "--max-batch-total-tokens", "8192", "--max-concurrent-requests", "4"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    ready = threading.Event()
-    log: list[str] = []
-
-    def drain() -> None:  # keep reading so the pipe never fills; flag the ready line
-        for line in proc.stdout:
-            log.append(line)
-            if line.startswith("loraplex ready"):
-                ready.set()
-        ready.set()  # exited: let the fixture fail fast
-
-    threading.Thread(target=drain, daemon=True).start()
-    try:
-        # The server binds its socket before printing the ready line.
-        assert ready.wait(timeout=180) and proc.poll() is None, "server did not start:\n" + "".join(log)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with live_server("--max-batch-total-tokens", "8192", "--max-concurrent-requests", "4") as url:
+        yield url
 
 
 def test_generate_and_stream_agree(server):

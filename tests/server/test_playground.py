@@ -11,17 +11,16 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import aiohttp
 import httpx
 import pytest
+
+from tests.helpers import live_server
 
 BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CHROMIUM_FLAGS = [
@@ -31,37 +30,10 @@ CHROMIUM_FLAGS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loraplex.cli", "serve", "--hostname", "127.0.0.1", "--port", str(port),
-         "--max-concurrent-requests", "4"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    ready = threading.Event()
-    log: list[str] = []
-
-    def drain() -> None:  # keep reading so the pipe never fills; flag the ready line
-        for line in proc.stdout:
-            log.append(line)
-            if line.startswith("loraplex ready"):
-                ready.set()
-        ready.set()  # exited: let the fixture fail fast
-
-    threading.Thread(target=drain, daemon=True).start()
-    try:
-        assert ready.wait(timeout=180) and proc.poll() is None, "server did not start:\n" + "".join(log)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with live_server("--max-concurrent-requests", "4") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,13 @@ from torch import nn
 
 from loraplex import gguf_convert
 from loraplex.gguf_convert import convert_gguf
-from loraplex.weights import ModelSource, WeightsError, load_into, load_state_dict, resolve_model
+from loraplex.weights import (
+    ModelSource,
+    WeightsError,
+    load_into,
+    load_state_dict,
+    resolve_model,
+)
 
 
 @pytest.fixture(autouse=True)
