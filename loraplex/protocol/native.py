@@ -118,22 +118,20 @@ class Token(BaseModel):
 FinishReasonName = Literal["length", "eos_token", "stop_sequence"]
 
 
-class BestOfSequence(BaseModel):
+class _SequenceDetails(BaseModel):
+    finish_reason: FinishReasonName
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[Token] = Field(default_factory=list)
+    tokens: list[Token] = Field(default_factory=list)
+
+
+class BestOfSequence(_SequenceDetails):
     generated_text: str
-    finish_reason: FinishReasonName
-    generated_tokens: int
-    seed: int | None = None
-    prefill: list[Token] = Field(default_factory=list)
-    tokens: list[Token] = Field(default_factory=list)
 
 
-class Details(BaseModel):
-    finish_reason: FinishReasonName
+class Details(_SequenceDetails):
     prompt_tokens: int
-    generated_tokens: int
-    seed: int | None = None
-    prefill: list[Token] = Field(default_factory=list)
-    tokens: list[Token] = Field(default_factory=list)
     best_of_sequences: list[BestOfSequence] | None = None
 
 
