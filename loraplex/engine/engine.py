@@ -154,6 +154,10 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
+        started = time.monotonic()
+        for item in plan.scheduled:  # queue time ends when a request's first step begins
+            if item.request.first_scheduled_time is None:
+                item.request.first_scheduled_time = started
         results = self.runner.execute(plan.scheduled)
         return self._update(plan, results)
 
@@ -162,8 +166,6 @@ class Engine:
         outputs = []
         for item, result in zip(plan.scheduled, results):
             request = item.request
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
             if result.prompt_logprobs:
                 request.prompt_logprobs = (request.prompt_logprobs or []) + result.prompt_logprobs
             request.num_computed_tokens += item.num_new_tokens
