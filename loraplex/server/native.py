@@ -15,10 +15,18 @@ from loraplex import __version__
 from loraplex.engine.engine import RequestOutput
 from loraplex.params import SamplingParams
 from loraplex.protocol.native import (
-    BestOfSequence, CompatGenerateRequest, Details, GenerateRequest, GenerateResponse, StreamDetails,
-    StreamResponse, Token, TokenizeRequest,
+    BestOfSequence,
+    CompatGenerateRequest,
+    Details,
+    GenerateRequest,
+    GenerateResponse,
+    StreamDetails,
+    StreamResponse,
+    Token,
+    TokenizeRequest,
 )
 from loraplex.server.errors import BadRequest, native_error
+from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences
 from loraplex.server.state import GenerationFailed, ServerState, get_state, run_to_end
 
 router = APIRouter()
@@ -36,15 +44,12 @@ def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
     """Validate a native request against the server's limits and turn it into engine inputs."""
     started = time.perf_counter()
     p = body.parameters
-    limits, engine_config = state.config, state.core.config
+    limits = state.config
     if p.adapter_id or p.merged_adapters:
         raise BadRequest("adapters are not served yet (the multi-LoRA issue adds them)", "adapter_id")
     if p.response_format is not None:
         raise BadRequest("response_format is not supported yet", "response_format")
-    if len(p.stop) > limits.max_stop_sequences:
-        raise BadRequest(
-            f"stop must have at most {limits.max_stop_sequences} sequences (max stop sequences); got {len(p.stop)}"
-        )
+    check_stop_sequences(state, len(p.stop))
     best_of = p.best_of or 1
     if best_of > limits.max_best_of:
         raise BadRequest(f"best_of must be <= {limits.max_best_of} (max best of); got {best_of}")
@@ -58,17 +63,8 @@ def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
     prompt_ids = state.tokenizer.encode(text, add_special_tokens=not p.apply_chat_template)
     if p.truncate is not None:
         prompt_ids = prompt_ids[-p.truncate :]
-    if len(prompt_ids) > engine_config.max_input_length:
-        raise BadRequest(
-            f"inputs must have at most {engine_config.max_input_length} tokens (max input length); "
-            f"got {len(prompt_ids)}"
-        )
     max_new = p.max_new_tokens or limits.default_max_new_tokens
-    if len(prompt_ids) + max_new > state.core.max_total_tokens:
-        raise BadRequest(
-            f"inputs tokens + max_new_tokens must be <= {state.core.max_total_tokens} (max total tokens); "
-            f"got {len(prompt_ids)} + {max_new}"
-        )
+    check_prompt_and_budget(state, prompt_ids, max_new, "inputs", "max_new_tokens")
     prefix = body.inputs if p.return_full_text else ""
     return Prepared(prompt_ids, p.to_sampling_params(max_new), prefix, time.perf_counter() - started)
 

@@ -21,12 +21,35 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from loraplex.engine.engine import RequestOutput
 from loraplex.params import SamplingParams, TokenInfo
 from loraplex.protocol.openai import (
-    AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatStreamChoice,
-    ChoiceLogprobs, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse,
-    DeltaMessage, ModelCard, ModelList, SamplingFields, Unsupported, UsageInfo, finish_reason_name,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    Unsupported,
+    UsageInfo,
+    finish_reason_name,
 )
 from loraplex.server.errors import BadRequest, ModelNotFound
-from loraplex.server.state import Finished, GenerationFailed, ServerState, get_state, run_to_end
+from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences
+from loraplex.server.state import (
+    Finished,
+    GenerationFailed,
+    ServerState,
+    get_state,
+    run_to_end,
+)
 
 router = APIRouter(prefix="/v1")
 T = TypeVar("T")
@@ -80,29 +103,10 @@ class Job:
     echo: str = ""  # prepended to the text (completions `echo`)
 
 
-def check_length(state: ServerState, prompt_ids: list[int], max_tokens: int, name: str) -> None:
-    """The limits native.prepare enforces, with the OpenAI field names."""
-    if not prompt_ids:
-        raise BadRequest(f"{name} must not be empty (it has no tokens)", name)
-    max_input = state.core.config.max_input_length
-    if len(prompt_ids) > max_input:
-        raise BadRequest(f"{name} must have at most {max_input} tokens (max input length); got {len(prompt_ids)}", name)
-    max_total = state.core.max_total_tokens
-    if len(prompt_ids) + max_tokens > max_total:
-        raise BadRequest(
-            f"prompt tokens + max_tokens must be <= {max_total} (max total tokens); "
-            f"got {len(prompt_ids)} + {max_tokens}", "max_tokens",
-        )
-
-
 def sampling_params(
     state: ServerState, body: SamplingFields, max_tokens: int, top_n: int = 0, prompt_logprobs: bool = False
 ) -> SamplingParams:
-    limit = state.config.max_stop_sequences
-    if len(body.stops) > limit:
-        raise BadRequest(
-            f"stop must have at most {limit} sequences (max stop sequences); got {len(body.stops)}", "stop"
-        )
+    check_stop_sequences(state, len(body.stops))
     return body.to_sampling_params(max_tokens, top_n, prompt_logprobs)
 
 
@@ -146,7 +150,7 @@ def prepare_completion(state: ServerState, body: CompletionRequest) -> list[Job]
             if any(not 0 <= i < tokenizer.vocab_size for i in prompt):
                 raise BadRequest(f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
             ids, text = list(prompt), tokenizer.decode(prompt, skip_special_tokens=False)
-        check_length(state, ids, max_tokens, "prompt")
+        check_prompt_and_budget(state, ids, max_tokens, "prompt", "max_tokens")
         for k, sp in enumerate(fan_out(state, params, runs, len(prompts))):
             jobs.append(Job(p * runs + k, p, ids, sp, text if body.echo else ""))
     return jobs
@@ -161,7 +165,7 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> list[Job]:
         raise BadRequest(f"messages cannot be turned into a prompt: {exc}", "messages") from exc
     ids = state.tokenizer.encode(prompt, add_special_tokens=False)
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, state.core.max_total_tokens - len(ids))
-    check_length(state, ids, max_tokens, "messages")
+    check_prompt_and_budget(state, ids, max_tokens, "messages", "max_tokens")
     top_n = (body.top_logprobs or 0) if body.logprobs else 0
     params = sampling_params(state, body, max_tokens, top_n)
     return [Job(k, 0, ids, sp) for k, sp in enumerate(fan_out(state, params, body.choices_per_prompt, 1))]
