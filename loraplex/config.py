@@ -6,7 +6,7 @@ transformers spellings alike) becomes one flat, frozen description that our mode
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
@@ -110,7 +110,6 @@ class EngineConfig:
     # Of free device memory (default 0.85 on CUDA; on CPU 0.1 of available RAM, at most 2 GiB), when
     # max_batch_total_tokens is None.
     kv_cache_memory_fraction: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -48,10 +48,6 @@ class Request:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
-    def token_at(self, index: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
-
     def token_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_ids)
         if end <= n:

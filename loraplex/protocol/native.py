@@ -151,8 +151,3 @@ class StreamResponse(BaseModel):
     token: Token
     generated_text: str | None = None
     details: StreamDetails | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: str
-    error_type: str
