@@ -110,6 +110,11 @@ class EngineConfig:
     # Of free device memory (default 0.85 on CUDA; on CPU 0.1 of available RAM, at most 2 GiB), when
     # max_batch_total_tokens is None.
     kv_cache_memory_fraction: float | None = None
+    # LoRA: device slots (distinct adapters one step can run), the largest rank served, and how long an
+    # adapter keeps its slot before yielding it to waiting adapters when there are more than slots.
+    max_active_adapters: int = 128
+    max_lora_rank: int = 64
+    adapter_cycle_time_s: float = 2.0
 
 
 @dataclass(frozen=True)

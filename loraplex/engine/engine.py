@@ -18,6 +18,8 @@ from loraplex.engine.loading import LoadedModel, load_model
 from loraplex.engine.request import FinishReason, Request
 from loraplex.engine.runner import ModelRunner, StepResult
 from loraplex.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from loraplex.lora.adapter import LoraAdapter
+from loraplex.lora.layers import LoraSlots
 from loraplex.params import SamplingParams, TokenInfo
 from loraplex.tokenizer import IncrementalDetokenizer, find_stop
 
@@ -70,12 +72,17 @@ class Engine:
                 max_batch_prefill_tokens=config.max_batch_prefill_tokens,
                 max_num_seqs=config.max_num_seqs,
                 watermark_blocks=max(1, num_blocks // 100),
+                num_adapter_slots=config.max_active_adapters,
+                adapter_cycle_time_s=config.adapter_cycle_time_s,
             )
         )
+        self.lora = LoraSlots(loaded.model, config.max_active_adapters, loaded.device, loaded.dtype)
+        # Adapters of the requests in the engine, with how many requests use each.
+        self._adapters: dict[str, tuple[LoraAdapter, int]] = {}
         mc = loaded.config
         self.runner = ModelRunner(
             loaded.model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, config.block_size,
-            loaded.device, loaded.dtype,
+            loaded.device, loaded.dtype, lora_tables=self.lora.tables,
         )
         self._streams: dict[str, _Stream] = {}
         self._next_id = 0
@@ -113,7 +120,11 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+        adapter: LoraAdapter | None = None,
+    ) -> Request:
+        """Queue a request; `adapter` (loaded, e.g. by an AdapterStore) or None for the base model."""
         if not prompt_ids:
             raise RequestRefused("the prompt is empty")
         if len(prompt_ids) > self.config.max_input_length:
@@ -130,6 +141,9 @@ class Engine:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, list(prompt_ids), params, seed, time.monotonic())
+        if adapter is not None:
+            self._use_adapter(adapter)
+            request.adapter_id = adapter.adapter_id
         detok = (
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
             if self.tokenizer is not None
@@ -142,7 +156,32 @@ class Engine:
     def abort_request(self, request_id: str) -> bool:
         request = self.scheduler.abort(request_id)
         self._streams.pop(request_id, None)
+        if request is not None:
+            self._drop_adapter(request.adapter_id)
         return request is not None
+
+    def _use_adapter(self, adapter: LoraAdapter) -> None:
+        unknown = set(adapter.modules) - set(self.lora.layers)
+        if unknown:
+            raise RequestRefused(f"adapter {adapter.adapter_id!r} targets modules this model lacks: {sorted(unknown)[:3]}")
+        _, users = self._adapters.get(adapter.adapter_id, (adapter, 0))
+        self._adapters[adapter.adapter_id] = (adapter, users + 1)
+
+    def _drop_adapter(self, adapter_id: str | None) -> None:
+        if adapter_id is None:
+            return
+        adapter, users = self._adapters[adapter_id]
+        if users == 1:
+            del self._adapters[adapter_id]
+        else:
+            self._adapters[adapter_id] = (adapter, users - 1)
+
+    @property
+    def adapter_ids(self) -> dict[str, list[str]]:
+        """Distinct adapters of running and of waiting requests (for metrics)."""
+        running = {r.adapter_id for r in self.scheduler.running if r.adapter_id is not None}
+        waiting = {r.adapter_id for r in self.scheduler.waiting if r.adapter_id is not None}
+        return {"running": sorted(running), "waiting": sorted(waiting)}
 
     @property
     def has_unfinished(self) -> bool:
@@ -155,6 +194,8 @@ class Engine:
         if not plan.scheduled:
             return []
         started = time.monotonic()
+        for slot, adapter_id in plan.installs:
+            self.lora.install(slot, self._adapters[adapter_id][0])
         for item in plan.scheduled:  # queue time ends when a request's first step begins
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = started
@@ -192,6 +233,7 @@ class Engine:
         if reason is not FinishReason.STOP_SEQUENCE and stream.detokenizer is not None:
             token.text += stream.detokenizer.flush()  # bytes held back for an unfinished character
         self.scheduler.finish(request, reason)
+        self._drop_adapter(request.adapter_id)
         del self._streams[request.request_id]
         return self._final_output(request, token, stream, now)
 
@@ -233,10 +275,14 @@ class Engine:
 
     # ---- convenience ------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+        adapters: list[LoraAdapter | None] | None = None,
+    ) -> list[RequestOutput]:
         """Run prompts to completion (offline use and tests); final outputs in prompt order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        adapters = adapters or [None] * len(prompts)
+        requests = [self.add_request(p, sp, adapter=a) for p, sp, a in zip(prompts, params_list, adapters)]
         finals: dict[str, RequestOutput] = {}
         while self.has_unfinished:
             for out in self.step():

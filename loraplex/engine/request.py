@@ -39,6 +39,8 @@ class Request:
     # Filled once by the first prefill that covers the prompt (never recomputed after preemption).
     prompt_logprobs: list[float | None] | None = None
     first_scheduled_time: float | None = None
+    adapter_id: str | None = None  # None: the base model
+    adapter_slot: int | None = None  # the device slot of its adapter, while running
 
     @property
     def num_tokens(self) -> int:

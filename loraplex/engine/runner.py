@@ -7,13 +7,21 @@ per-request state every step, so a request that finishes simply stops being sche
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from loraplex.engine.scheduler import ScheduledRequest
 from loraplex.layers.attention import AttentionBackend, TorchAttentionBackend
-from loraplex.layers.forward_context import AttentionMetadata, DecodeGroup, ForwardContext, forward_context
+from loraplex.layers.forward_context import (
+    AttentionMetadata,
+    DecodeGroup,
+    ForwardContext,
+    LoraRows,
+    LoraSegment,
+    forward_context,
+)
 from loraplex.sampling import Sampler, token_logprobs
 
 
@@ -54,12 +62,34 @@ def group_by_length(
     return groups
 
 
+def _slot_order(item: ScheduledRequest) -> int:
+    slot = item.request.adapter_slot
+    return -1 if slot is None else slot
+
+
+def lora_segments(slots: list[int | None], row_counts: list[int]) -> list[LoraSegment]:
+    """Segments of consecutive rows sharing an adapter slot (base-model rows belong to none)."""
+    segments: list[LoraSegment] = []
+    start = 0
+    for slot, count in zip(slots, row_counts):
+        if slot is not None and count > 0:
+            last = segments[-1] if segments else None
+            if last is not None and last.slot == slot and last.end == start:
+                segments[-1] = LoraSegment(slot, last.start, start + count)
+            else:
+                segments.append(LoraSegment(slot, start, start + count))
+        start += count
+    return segments
+
+
 class ModelRunner:
     def __init__(
         self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
         block_size: int, device: torch.device, dtype: torch.dtype, backend: AttentionBackend | None = None,
+        lora_tables: Mapping[str, Sequence[Any]] | None = None,
     ) -> None:
         self.model = model
+        self.lora_tables = lora_tables or {}  # LoRA layer -> weights per slot (LoraSlots.tables)
         self.device = device
         self.block_size = block_size
         self.backend = backend or TorchAttentionBackend()
@@ -70,36 +100,54 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> list[StepResult]:
+        """Run one step; one result per scheduled request, in the order given."""
+        # Sequences of one adapter side by side: each adapter's rows form one segment (see LoraRows).
+        order = sorted(range(len(scheduled)), key=lambda i: _slot_order(scheduled[i]))
+        results = self._execute([scheduled[i] for i in order])
+        by_position = [StepResult()] * len(scheduled)
+        for result, i in zip(results, order):
+            by_position[i] = result
+        return by_position
+
+    def _execute(self, scheduled: list[ScheduledRequest]) -> list[StepResult]:
         batch = self._build_batch(scheduled)
-        ctx = ForwardContext(batch.metadata, self.kv_caches, self.backend)
+        slots = [item.request.adapter_slot for item in scheduled]
+        starts = batch.metadata.query_start_loc
+        lora = None
+        if any(slot is not None for slot in slots):
+            token_counts = [starts[i + 1] - starts[i] for i in range(len(slots))]
+            lora = LoraRows(tokens=lora_segments(slots, token_counts), logits=[], weights=self.lora_tables)
+        ctx = ForwardContext(batch.metadata, self.kv_caches, self.backend, lora)
+        results = [StepResult() for _ in scheduled]
         with forward_context(ctx):
             hidden = self.model(batch.input_ids, batch.positions)
-
-        results = [StepResult() for _ in scheduled]
-        sample_seqs = [i for i, s in enumerate(scheduled) if s.completes_sequence]
-        starts = batch.metadata.query_start_loc
-        if sample_seqs:
-            rows = torch.tensor([starts[i + 1] - 1 for i in sample_seqs], device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
-            requests = [scheduled[i].request for i in sample_seqs]
-            out = self.sampler(
-                logits,
-                [r.params for r in requests],
-                [r.prompt_ids for r in requests],
-                [r.output_ids for r in requests],
-                [r.seed for r in requests],
-            )
-            for j, i in enumerate(sample_seqs):
-                results[i].token_id = out.token_ids[j]
-                results[i].logprob = out.logprobs[j]
-                results[i].top_tokens = out.top_tokens[j]
-        for i, item in enumerate(scheduled):
-            request = item.request
-            if request.params.prompt_logprobs and len(request.prompt_logprobs or []) < len(request.prompt_ids):
-                results[i].prompt_logprobs = self._prompt_logprobs(item, hidden[starts[i] : starts[i + 1]])
+            sample_seqs = [i for i, s in enumerate(scheduled) if s.completes_sequence]
+            if sample_seqs:
+                rows = torch.tensor([starts[i + 1] - 1 for i in sample_seqs], device=self.device)
+                if lora is not None:
+                    lora.logits = lora_segments([slots[i] for i in sample_seqs], [1] * len(sample_seqs))
+                logits = self.model.compute_logits(hidden[rows])
+                requests = [scheduled[i].request for i in sample_seqs]
+                out = self.sampler(
+                    logits,
+                    [r.params for r in requests],
+                    [r.prompt_ids for r in requests],
+                    [r.output_ids for r in requests],
+                    [r.seed for r in requests],
+                )
+                for j, i in enumerate(sample_seqs):
+                    results[i].token_id = out.token_ids[j]
+                    results[i].logprob = out.logprobs[j]
+                    results[i].top_tokens = out.top_tokens[j]
+            for i, item in enumerate(scheduled):
+                request = item.request
+                if request.params.prompt_logprobs and len(request.prompt_logprobs or []) < len(request.prompt_ids):
+                    results[i].prompt_logprobs = self._prompt_logprobs(item, hidden[starts[i] : starts[i + 1]], lora)
         return results
 
-    def _prompt_logprobs(self, item: ScheduledRequest, hidden: torch.Tensor) -> list[float | None]:
+    def _prompt_logprobs(
+        self, item: ScheduledRequest, hidden: torch.Tensor, lora: LoraRows | None
+    ) -> list[float | None]:
         """Log-probabilities of the prompt tokens this step can score, given the tokens before each.
 
         Prompt token i is scored by the row of position i - 1, so a chunk [start, end) scores tokens
@@ -114,6 +162,8 @@ class ModelRunner:
         if last >= first:
             rows = hidden[first - 1 - start : last - start]
             targets = torch.tensor(request.prompt_ids[first : last + 1], device=self.device)
+            if lora is not None:
+                lora.logits = lora_segments([request.adapter_slot], [rows.shape[0]])
             values += token_logprobs(self.model.compute_logits(rows), targets).tolist()
         return values
 

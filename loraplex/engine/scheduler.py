@@ -8,15 +8,21 @@ Policy:
   running-request cap and the free KV blocks (less a small watermark) allow. A prompt longer than the
   budget is prefilled in chunks over several steps.
 - No admission in a step that had to preempt: the cache is full, admitting would only thrash.
+- A request for an adapter is admitted only when its adapter holds, or can take, a device slot (see
+  `AdapterSlots`: pinned while used, LRU reuse, fair rotation). A request that cannot have a slot yet
+  is passed over; requests behind it still start. So at most `num_adapter_slots` distinct adapters
+  run in one step.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from loraplex.engine.kv_cache import BlockAllocator, blocks_for
 from loraplex.engine.request import FinishReason, Request, RequestStatus
+from loraplex.lora.slots import AdapterSlots
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,8 @@ class SchedulerConfig:
     max_batch_prefill_tokens: int = 4096
     max_num_seqs: int = 256
     watermark_blocks: int = 0  # kept free at admission so running requests can grow a little
+    num_adapter_slots: int = 1
+    adapter_cycle_time_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -43,11 +51,14 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # (slot, adapter id): adapters that take a slot this step; the engine installs them before running.
+    installs: list[tuple[int, str]] = field(default_factory=list)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, clock=None) -> None:
         self.config = config
+        self.slots = AdapterSlots(config.num_adapter_slots, config.adapter_cycle_time_s, clock or time.monotonic)
         self.allocator = BlockAllocator(config.num_blocks, config.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
@@ -75,6 +86,7 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self._release_slot(request)
         else:
             self.waiting.remove(request)
         self._release_blocks(request)
@@ -120,6 +132,13 @@ class Scheduler:
 
         if out.preempted:
             return out
+        self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Start waiting requests, first come first served, while budget, seats and KV blocks allow."""
+        self.slots.begin_step([r.adapter_id for r in self.waiting if r.adapter_id is not None])
+        passed_over: list[Request] = []
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.waiting[0]
             n = min(request.num_uncomputed_tokens, budget)
@@ -127,13 +146,28 @@ class Scheduler:
             if not self.allocator.can_allocate(needed + self.config.watermark_blocks):
                 break
             self.waiting.popleft()
+            if request.adapter_id is not None and not self._take_slot(request, out):
+                passed_over.append(request)
+                continue
             request.block_ids.extend(self.allocator.allocate(needed))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, n))
             if n > 1:
                 budget -= n
-        return out
+        self.waiting.extendleft(reversed(passed_over))  # they keep their place in the queue
+
+    def _take_slot(self, request: Request, out: SchedulerOutput) -> bool:
+        adapter = request.adapter_id
+        if not self.slots.may_admit(adapter):
+            return False
+        got = self.slots.acquire(adapter)
+        if got is None:
+            return False
+        request.adapter_slot, install = got
+        if install:
+            out.installs.append((request.adapter_slot, adapter))
+        return True
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -145,11 +179,17 @@ class Scheduler:
         """Recompute preemption: forget the request's KV; it re-enters the queue at the front."""
         self.running.remove(request)
         self._release_blocks(request)
+        self._release_slot(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         return request
+
+    def _release_slot(self, request: Request) -> None:
+        if request.adapter_id is not None:
+            self.slots.release(request.adapter_id)
+            request.adapter_slot = None
 
     def _release_blocks(self, request: Request) -> None:
         self.allocator.free(request.block_ids)

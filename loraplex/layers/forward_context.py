@@ -1,14 +1,14 @@
 """The per-step forward context: what the runner knows about the batch that some layers need.
 
-The runner sets it with `with forward_context(ctx):` around one forward pass; attention layers read
-it. Model code never sees it, so model `forward` signatures stay those of a plain model.
+The runner sets it with `with forward_context(ctx):` around one forward pass; attention and LoRA
+layers read it. Model code never sees it, so model `forward` signatures stay those of a plain model.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -45,11 +45,43 @@ class AttentionMetadata:
         return len(self.seq_lens)
 
 
+@dataclass(frozen=True)
+class LoraSegment:
+    """Rows `start:end` use the adapter in device slot `slot`."""
+
+    slot: int
+    start: int
+    end: int
+
+
+@dataclass
+class LoraRows:
+    """Which rows use which adapter, per kind of row a LoRA-wrapped linear sees.
+
+    Rows are ordered by adapter (the runner sorts sequences so), so each adapter owns one contiguous
+    segment; rows of the base model are in no segment. `tokens` covers the step's token rows; `logits`
+    covers the rows handed to `compute_logits` and is set by the runner before each such call.
+    """
+
+    tokens: list[LoraSegment]
+    logits: list[LoraSegment]
+    weights: Mapping[str, Sequence[Any]]  # LoRA layer name -> the weights in each slot (None: no delta)
+
+    def segments(self, kind: str) -> list[LoraSegment]:
+        return self.tokens if kind == "tokens" else self.logits
+
+
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[Any]  # per attention layer, in the backend's own layout
     backend: Any  # an AttentionBackend
+    lora: LoraRows | None = None  # None: no adapter in this step
+
+
+def current_lora_rows() -> LoraRows | None:
+    """The step's adapter rows, or None outside a forward pass or when no row uses an adapter."""
+    return _current.lora if _current is not None else None
 
 
 _current: ForwardContext | None = None

@@ -1,4 +1,4 @@
-"""Imports go down only (DESIGN.md §2): cli -> server -> protocol -> engine -> models -> layers."""
+"""Imports go down only (DESIGN.md §2): cli -> server -> protocol -> engine -> models -> layers; lora beside layers."""
 
 import ast
 import pathlib
@@ -10,7 +10,8 @@ ROOT = pathlib.Path(loraplex.__file__).parent
 # package -> loraplex packages it must never import
 FORBIDDEN = {
     "models": {"engine", "server", "protocol", "cli", "lora"},
-    "layers": {"engine", "server", "protocol", "cli", "models"},
+    "layers": {"engine", "server", "protocol", "cli", "models", "lora"},
+    "lora": {"engine", "server", "protocol", "cli", "models"},
     "engine": {"server", "protocol", "cli"},
     "protocol": {"server", "cli"},
     "server": {"cli"},

@@ -1,0 +1,292 @@
+"""A PEFT LoRA adapter: its configuration, read exactly as PEFT applies it, and its weights per module.
+
+An adapter is an `adapter_config.json` + `adapter_model.safetensors` pair. PEFT saves the tensors of
+module `M` (named as in the base model, e.g. `model.layers.3.self_attn.q_proj`) under
+`base_model.model.M.lora_A.weight` [r, in] and `base_model.model.M.lora_B.weight` [out, r]; the
+module's delta is `scale * B @ A @ x`, with `scale = alpha / r` (or `alpha / sqrt(r)` with rsLoRA) and
+r / alpha taken from `rank_pattern` / `alpha_pattern` when a pattern matches the module's name.
+
+What we do not serve is refused with a message naming the field or tensor, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+_TENSOR_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<part>A|B)\.weight$")
+_BASE_COPY_KEY = re.compile(r"^(?P<module>.+)\.base_layer\.weight$")
+
+
+class AdapterError(Exception):
+    """An adapter could not be served; the message says which and why."""
+
+
+class AdapterNotFound(AdapterError):
+    """No adapter by that name in the source asked for."""
+
+
+class AdapterInvalid(AdapterError):
+    """The adapter was found but cannot be served (unsupported option, bad tensors, ...)."""
+
+
+# Options PEFT offers that change what the adapter computes and that we do not serve:
+# field -> (value that means "off", what to say).
+_UNSERVED_OPTIONS: dict[str, tuple[Any, str]] = {
+    "use_dora": (False, "DoRA (use_dora) is not served"),
+    "modules_to_save": (None, "modules_to_save (fully fine-tuned modules) is not served"),
+    "lora_bias": (False, "lora_bias is not served"),
+    "target_parameters": (None, "target_parameters is not served"),
+    "trainable_token_indices": (None, "trainable_token_indices is not served"),
+    "layer_replication": (None, "layer_replication is not served"),
+    "alora_invocation_tokens": (None, "aLoRA (alora_invocation_tokens) is not served"),
+    "megatron_config": (None, "megatron_config is not served"),
+}
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The parts of a PEFT `LoraConfig` that decide which modules get a delta and how it is scaled."""
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool = False
+    target_modules: tuple[str, ...] | str = ()
+    rank_pattern: Mapping[str, int] = field(default_factory=dict)
+    alpha_pattern: Mapping[str, float] = field(default_factory=dict)
+    layers_to_transform: tuple[int, ...] | None = None
+    layers_pattern: tuple[str, ...] = ()
+    exclude_modules: tuple[str, ...] | str = ()
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], max_rank: int) -> "LoraConfig":
+        """Read an adapter_config.json; refuse what we do not serve or what exceeds `max_rank`."""
+        peft_type = str(raw.get("peft_type", "LORA")).upper().removeprefix("PEFTTYPE.")  # str(PeftType.LORA)
+        if peft_type != "LORA":
+            raise AdapterInvalid(f"peft_type {raw.get('peft_type')!r} is not served; only LORA adapters are")
+        for name, (off, message) in _UNSERVED_OPTIONS.items():
+            value = raw.get(name, off)
+            if value not in (off, None, False, [], {}):
+                raise AdapterInvalid(f"{message} ({name}={value!r})")
+        if raw.get("bias", "none") != "none":
+            raise AdapterInvalid(f"bias={raw.get('bias')!r} is not served; only bias='none' is")
+        r = _positive_int(raw.get("r", 8), "r")
+        rank_pattern = {str(k): _positive_int(v, f"rank_pattern[{k!r}]") for k, v in (raw.get("rank_pattern") or {}).items()}
+        alpha_pattern = {str(k): float(v) for k, v in (raw.get("alpha_pattern") or {}).items()}
+        for name, rank in [("r", r), *((f"rank_pattern[{k!r}]", v) for k, v in rank_pattern.items())]:
+            if rank > max_rank:
+                raise AdapterInvalid(f"{name} = {rank} is above the maximum LoRA rank {max_rank} (--max-lora-rank)")
+        targets = raw.get("target_modules") or ()
+        layers = raw.get("layers_to_transform")
+        layers_pattern = raw.get("layers_pattern") or ()
+        exclude = raw.get("exclude_modules") or ()
+        return cls(
+            r=r,
+            lora_alpha=float(raw.get("lora_alpha", 8)),
+            use_rslora=bool(raw.get("use_rslora", False)),
+            target_modules=targets if isinstance(targets, str) else tuple(targets),
+            rank_pattern=rank_pattern,
+            alpha_pattern=alpha_pattern,
+            layers_to_transform=None if layers is None else ((layers,) if isinstance(layers, int) else tuple(layers)),
+            layers_pattern=(layers_pattern,) if isinstance(layers_pattern, str) else tuple(layers_pattern),
+            exclude_modules=exclude if isinstance(exclude, str) else tuple(exclude),
+        )
+
+    # ---- as PEFT applies it ----------------------------------------------------------------------
+
+    def targets(self, module: str) -> bool:
+        """Whether PEFT would put a LoRA on `module` (its name in the base model)."""
+        if self._excluded(module):
+            return False
+        if isinstance(self.target_modules, str):  # a regex: matched whole, layers_to_transform not applied
+            return re.fullmatch(self.target_modules, module) is not None
+        if module in self.target_modules:
+            return True
+        if not any(module.endswith(f".{t}") for t in self.target_modules):
+            return False
+        if not self.layers_to_transform:
+            return True
+        index = _layer_index(module, self.layers_pattern)
+        return index is not None and index in self.layers_to_transform
+
+    def rank(self, module: str) -> int:
+        return self.rank_pattern.get(_pattern_key(self.rank_pattern, module), self.r)
+
+    def scale(self, module: str) -> float:
+        alpha = self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module), self.lora_alpha)
+        rank = self.rank(module)
+        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+    def _excluded(self, module: str) -> bool:
+        if isinstance(self.exclude_modules, str):
+            return re.fullmatch(self.exclude_modules, module) is not None
+        return module in self.exclude_modules or any(module.endswith(f".{e}") for e in self.exclude_modules)
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise AdapterInvalid(f"{name} must be a positive integer; got {value!r}")
+    return value
+
+
+def _pattern_key(patterns: Mapping[str, Any], module: str) -> str:
+    """The first pattern that matches the end of `module` (after a dot), as PEFT picks it."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key
+    return module
+
+
+def _layer_index(module: str, layers_pattern: tuple[str, ...]) -> int | None:
+    """The first numbered segment of a module name (the layer index), as PEFT finds it."""
+    if not layers_pattern:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+    else:
+        match = None
+        for pattern in layers_pattern:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
+            if match is not None:
+                break
+    return int(match.group("idx")) if match else None
+
+
+@dataclass
+class LoraWeights:
+    """One module's LoRA: delta(x) = scale * (x @ a.T) @ b.T."""
+
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> "LoraWeights":
+        return LoraWeights(self.a.to(device, dtype), self.b.to(device, dtype), self.scale)
+
+
+@dataclass
+class LoraAdapter:
+    """A loaded adapter: weights per base-model module name (only the modules it targets)."""
+
+    adapter_id: str
+    modules: dict[str, LoraWeights]
+    config: LoraConfig
+
+    @property
+    def max_rank(self) -> int:
+        return max(w.rank for w in self.modules.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.a.nbytes + w.b.nbytes for w in self.modules.values())
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> "LoraAdapter":
+        return LoraAdapter(self.adapter_id, {m: w.to(device, dtype) for m, w in self.modules.items()}, self.config)
+
+
+# Shapes of the base model's LoRA-capable linears: module name -> (in_features, out_features).
+BaseShapes = Mapping[str, tuple[int, int]]
+# The base model's weight of a module, to check copies that PEFT saves beside the LoRA tensors.
+BaseWeight = Callable[[str], torch.Tensor]
+
+
+def adapter_from_tensors(
+    adapter_id: str, config: LoraConfig, tensors: Mapping[str, torch.Tensor], base: BaseShapes,
+    base_weight: BaseWeight | None = None,
+) -> LoraAdapter:
+    """Check PEFT-named tensors against the config and the base model; build the adapter (float32, CPU)."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        name = key.removeprefix(_PREFIX)
+        if (copy := _BASE_COPY_KEY.match(name)) is not None:
+            # PEFT saves the output head's base weights with an adapter that targets it; an unchanged
+            # copy is harmless, a changed one (resized vocabulary, trained head) is not served.
+            _check_base_copy(key, copy["module"], tensor, base_weight)
+            continue
+        if "lora_magnitude_vector" in name:
+            raise AdapterInvalid(f"tensor {key}: DoRA (lora_magnitude_vector) is not served")
+        if "lora_embedding_" in name:
+            raise AdapterInvalid(f"tensor {key}: LoRA on embeddings is not served")
+        match = _TENSOR_KEY.match(name)
+        if match is None:
+            raise AdapterInvalid(f"tensor {key}: not a LoRA A/B weight (only lora_A/lora_B weights are served)")
+        parts.setdefault(match["module"], {})[match["part"]] = tensor
+    if not parts:
+        raise AdapterInvalid("the adapter has no LoRA tensors")
+
+    modules: dict[str, LoraWeights] = {}
+    for module, ab in sorted(parts.items()):
+        if set(ab) != {"A", "B"}:
+            missing = ({"A", "B"} - set(ab)).pop()
+            raise AdapterInvalid(f"module {module}: lora_{missing}.weight is missing")
+        if module not in base:
+            raise AdapterInvalid(
+                f"tensor {_PREFIX}{module}.lora_A.weight: the base model has no LoRA-capable linear {module!r}"
+            )
+        if not config.targets(module):
+            raise AdapterInvalid(f"tensor {_PREFIX}{module}.lora_A.weight: module not in the config's target_modules")
+        a, b = ab["A"], ab["B"]
+        in_features, out_features = base[module]
+        rank = config.rank(module)
+        for part, tensor, want in (("A", a, (rank, in_features)), ("B", b, (out_features, rank))):
+            if tuple(tensor.shape) != want:
+                raise AdapterInvalid(
+                    f"tensor {_PREFIX}{module}.lora_{part}.weight has shape {list(tensor.shape)}; "
+                    f"expected {list(want)} (rank {rank} from adapter_config.json, base linear {in_features}->{out_features})"
+                )
+            if not tensor.is_floating_point():
+                raise AdapterInvalid(f"tensor {_PREFIX}{module}.lora_{part}.weight has dtype {tensor.dtype}; expected floats")
+        modules[module] = LoraWeights(a.float().contiguous(), b.float().contiguous(), config.scale(module))
+    return LoraAdapter(adapter_id, modules, config)
+
+
+def _check_base_copy(key: str, module: str, tensor: torch.Tensor, base_weight: BaseWeight | None) -> None:
+    if base_weight is not None:
+        original = base_weight(module)
+        if tensor.shape == original.shape and torch.allclose(tensor.float(), original.float().cpu(), atol=1e-2, rtol=1e-2):
+            return
+    raise AdapterInvalid(f"tensor {key}: a base-layer weight that differs from the base model's is not served")
+
+
+def load_adapter_dir(
+    path: pathlib.Path, adapter_id: str, base: BaseShapes, max_rank: int, base_weight: BaseWeight | None = None
+) -> LoraAdapter:
+    """Read a PEFT adapter directory (safetensors only: pickles are refused, never opened)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config_path, weights_path = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
+    if not config_path.is_file():
+        raise AdapterNotFound(f"adapter {adapter_id!r}: no {ADAPTER_CONFIG} in {path}")
+    if not weights_path.is_file():
+        if (path / "adapter_model.bin").exists():
+            raise AdapterInvalid(
+                f"adapter {adapter_id!r} has only adapter_model.bin (a pickle); only {ADAPTER_WEIGHTS} is read"
+            )
+        raise AdapterNotFound(f"adapter {adapter_id!r}: no {ADAPTER_WEIGHTS} in {path}")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AdapterInvalid(f"adapter {adapter_id!r}: {ADAPTER_CONFIG} is not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise AdapterInvalid(f"adapter {adapter_id!r}: {ADAPTER_CONFIG} is not a JSON object")
+    try:
+        config = LoraConfig.from_dict(raw, max_rank)
+        try:
+            tensors = load_file(str(weights_path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise AdapterInvalid(f"{ADAPTER_WEIGHTS} is not a valid safetensors file ({exc})") from exc
+        return adapter_from_tensors(adapter_id, config, tensors, base, base_weight)
+    except AdapterInvalid as exc:
+        raise AdapterInvalid(f"adapter {adapter_id!r}: {exc}") from None

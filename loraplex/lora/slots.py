@@ -1,0 +1,106 @@
+"""Device slots for adapters: which adapter holds which slot, and who may have one next. Pure Python.
+
+- An adapter in a slot is pinned while any running request uses it; only unpinned slots are reused,
+  least recently used first.
+- Fair rotation (LoRAX's adapter cycle): when some waiting adapter has no slot and none can be had,
+  adapters that have held their slot for longer than `cycle_time_s` stop admitting new requests.
+  Their running requests finish, the slot unpins, and the adapter that has waited longest takes it.
+  So no adapter waits forever, however busy the others are.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Callable
+
+
+class AdapterSlots:
+    def __init__(self, num_slots: int, cycle_time_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        assert num_slots >= 1
+        self.num_slots = num_slots
+        self.cycle_time_s = cycle_time_s
+        self.clock = clock
+        self.occupant: list[str | None] = [None] * num_slots
+        self._slot_of: dict[str, int] = {}
+        self._pins: dict[str, int] = {}
+        self._since: dict[str, float] = {}  # when the adapter got its slot
+        self._recency: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self._draining: set[str] = set()
+
+    def slot_of(self, adapter: str) -> int | None:
+        return self._slot_of.get(adapter)
+
+    def pins(self, adapter: str) -> int:
+        return self._pins.get(adapter, 0)
+
+    @property
+    def active(self) -> list[str]:
+        return [a for a in self.occupant if a is not None]
+
+    # ---- each step ---------------------------------------------------------------------------------
+
+    def begin_step(self, wanted: list[str]) -> None:
+        """Decide which adapters stop admitting this step. `wanted`: adapters of waiting requests."""
+        starved = any(a not in self._slot_of for a in wanted)
+        if not starved or self._can_take_slot():
+            self._draining = set()
+            return
+        now = self.clock()
+        self._draining = {a for a, since in self._since.items() if now - since >= self.cycle_time_s}
+
+    def may_admit(self, adapter: str) -> bool:
+        """Whether a waiting request for `adapter` may start now (its adapter is not draining)."""
+        return adapter not in self._draining
+
+    def acquire(self, adapter: str) -> tuple[int, bool] | None:
+        """Pin a slot for one running request of `adapter`: (slot, must install) or None when none is free.
+
+        Call only when `may_admit(adapter)`.
+        """
+        slot = self._slot_of.get(adapter)
+        install = False
+        if slot is None:
+            slot = self._take_slot()
+            if slot is None:
+                return None
+            self._assign(slot, adapter)
+            install = True
+        self._pins[adapter] = self._pins.get(adapter, 0) + 1
+        self._recency.move_to_end(adapter)
+        return slot, install
+
+    def release(self, adapter: str) -> None:
+        """One running request of `adapter` stopped (finished, aborted or preempted)."""
+        count = self._pins.get(adapter, 0)
+        assert count > 0, f"adapter {adapter} released more often than acquired"
+        if count == 1:
+            del self._pins[adapter]
+        else:
+            self._pins[adapter] = count - 1
+
+    # ---- helpers -----------------------------------------------------------------------------------
+
+    def _can_take_slot(self) -> bool:
+        return None in self.occupant or any(a not in self._pins for a in self._slot_of)
+
+    def _take_slot(self) -> int | None:
+        """A free slot, else the least recently used unpinned one (evicting its adapter)."""
+        if None in self.occupant:
+            return self.occupant.index(None)
+        # Draining adapters go first: they are the ones rotation is making room for.
+        candidates = [a for a in self._recency if a not in self._pins]
+        if not candidates:
+            return None
+        victim = next((a for a in candidates if a in self._draining), candidates[0])
+        slot = self._slot_of.pop(victim)
+        del self._since[victim], self._recency[victim]
+        self._draining.discard(victim)
+        self.occupant[slot] = None
+        return slot
+
+    def _assign(self, slot: int, adapter: str) -> None:
+        self.occupant[slot] = adapter
+        self._slot_of[adapter] = slot
+        self._since[adapter] = self.clock()
+        self._recency[adapter] = None
