@@ -31,6 +31,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-prefill-tokens", type=int, default=_env("MAX_BATCH_PREFILL_TOKENS", 4096, int))
     p.add_argument("--max-batch-total-tokens", type=int, default=_env("MAX_BATCH_TOTAL_TOKENS", None, int),
                    help="KV cache capacity in tokens (default: sized from free memory)")
+    p.add_argument("--max-active-adapters", type=int, default=_env("MAX_ACTIVE_ADAPTERS", 128, int),
+                   help="device slots for adapters: distinct adapters one step can run")
+    p.add_argument("--max-lora-rank", type=int, default=_env("MAX_LORA_RANK", 64, int))
+    p.add_argument("--adapter-cycle-time-s", type=float, default=_env("ADAPTER_CYCLE_TIME_S", 2.0, float),
+                   help="when more adapters wait than slots exist, how long one keeps its slot before yielding it")
+    p.add_argument("--adapter-source", default=_env("ADAPTER_SOURCE", "hub"), choices=["hub", "local"],
+                   help="where adapter ids are looked up unless a request says otherwise")
+    p.add_argument("--adapter-root", action="append", default=_env("ADAPTER_ROOT", None, lambda v: v.split(",")),
+                   help="directory local adapters may be loaded from (repeatable; none: local adapters off)")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -42,6 +51,9 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_total_tokens=args.max_total_tokens,
         max_batch_prefill_tokens=args.max_batch_prefill_tokens,
         max_batch_total_tokens=args.max_batch_total_tokens,
+        max_active_adapters=args.max_active_adapters,
+        max_lora_rank=args.max_lora_rank,
+        adapter_cycle_time_s=args.adapter_cycle_time_s,
     )
 
 
@@ -65,7 +77,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         do_sample=any(v is not None for v in (args.temperature, args.top_p, args.top_k, args.seed)),
     )
-    (result,) = engine.generate([prompt_ids], params)
+    adapter = None
+    if args.adapter_id:
+        from loraplex.server.app import adapter_store
+
+        store = adapter_store(engine, ServerConfig(adapter_source=args.adapter_source, adapter_roots=tuple(args.adapter_root or ())))
+        adapter = store.load(args.adapter_id)
+    (result,) = engine.generate([prompt_ids], params, adapters=[adapter])
     print(result.generated_text)
     return 0
 
@@ -86,6 +104,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_best_of=args.max_best_of,
         json_output=args.json_output,
         cors_allow_origin=tuple(args.cors_allow_origin or ()),
+        adapter_source=args.adapter_source,
+        adapter_roots=tuple(args.adapter_root or ()),
+        preloaded_adapter_ids=tuple(args.preloaded_adapter_ids or ()),
+        max_cpu_adapters=args.max_cpu_adapters,
     )
     app = create_app(AsyncEngine(engine), server_config)
     # Bind before saying "ready": from that line on, connections queue in the backlog.
@@ -137,12 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-best-of", type=int, default=_env("MAX_BEST_OF", 2, int))
     serve.add_argument("--json-output", action="store_true", default=_env("JSON_OUTPUT", False, _truthy))
     serve.add_argument("--cors-allow-origin", action="append", default=_env("CORS_ALLOW_ORIGIN", None, lambda v: v.split(",")))
+    serve.add_argument("--preloaded-adapter-ids", nargs="+", default=_env("PRELOADED_ADAPTER_IDS", None, lambda v: v.split(",")),
+                       help="adapters (of --adapter-source) loaded at start and listed by /v1/models")
+    serve.add_argument("--max-cpu-adapters", type=int, default=_env("MAX_CPU_ADAPTERS", 64, int),
+                       help="loaded adapters kept in host memory besides the preloaded ones (LRU)")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for one prompt and print it")
     gen.add_argument("prompt")
     _add_engine_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user message (chat template)")
+    gen.add_argument("--adapter-id", help="generate with this LoRA adapter (of --adapter-source)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float)
     gen.add_argument("--top-p", type=float)
@@ -157,8 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from loraplex.lora.adapter import AdapterError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except AdapterError as exc:  # a preloaded or --adapter-id adapter that cannot be served
+        print(f"loraplex: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

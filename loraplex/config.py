@@ -127,3 +127,9 @@ class ServerConfig:
     default_max_new_tokens: int = 20  # when a request names none
     json_output: bool = False
     cors_allow_origin: tuple[str, ...] = ()
+    # Adapters: the default source (local | hub), the directories local adapters must live in (none:
+    # local loading off), adapters loaded at start, and how many loaded adapters the CPU cache keeps.
+    adapter_source: str = "hub"
+    adapter_roots: tuple[str, ...] = ()
+    preloaded_adapter_ids: tuple[str, ...] = ()
+    max_cpu_adapters: int = 64

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from loraplex.engine.engine import Engine, RequestOutput
+from loraplex.lora.adapter import LoraAdapter
 from loraplex.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ class AsyncEngine:
     # ---- caller side (any thread / event loop) ---------------------------------------------------
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+        adapter: LoraAdapter | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per generated token; the last has finished=True.
 
@@ -51,7 +53,7 @@ class AsyncEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
         self._subscribers[request_id] = subscriber
-        self._send(("add", request_id, prompt_ids, params))
+        self._send(("add", request_id, prompt_ids, params, adapter))
         finished = False
         try:
             while True:
@@ -98,9 +100,9 @@ class AsyncEngine:
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
-            _, request_id, prompt_ids, params = command
+            _, request_id, prompt_ids, params, adapter = command
             try:
-                self.engine.add_request(prompt_ids, params, request_id)
+                self.engine.add_request(prompt_ids, params, request_id, adapter)
             except Exception as error:  # refused: only this caller hears of it
                 self._deliver(request_id, error)
         else:

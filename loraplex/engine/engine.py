@@ -179,8 +179,9 @@ class Engine:
     @property
     def adapter_ids(self) -> dict[str, list[str]]:
         """Distinct adapters of running and of waiting requests (for metrics)."""
-        running = {r.adapter_id for r in self.scheduler.running if r.adapter_id is not None}
-        waiting = {r.adapter_id for r in self.scheduler.waiting if r.adapter_id is not None}
+        # Copies first: metrics read this from another thread while the engine thread runs.
+        running = {r.adapter_id for r in list(self.scheduler.running) if r.adapter_id is not None}
+        waiting = {r.adapter_id for r in list(self.scheduler.waiting) if r.adapter_id is not None}
         return {"running": sorted(running), "waiting": sorted(waiting)}
 
     @property

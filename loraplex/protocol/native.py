@@ -11,7 +11,7 @@ from loraplex.params import SamplingParams, TokenInfo
 
 
 class MergedAdapters(BaseModel):
-    """Accepted now; served by the multi-LoRA issue."""
+    """Serve a weighted merge of adapters (as PEFT's add_weighted_adapter builds it)."""
 
     ids: list[str]
     weights: list[float]

@@ -9,6 +9,8 @@ from fastapi.responses import Response
 from loraplex import __version__
 from loraplex.config import ServerConfig
 from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.engine import Engine
+from loraplex.lora.store import AdapterStore
 from loraplex.server import native, openai_routes, playground
 from loraplex.server.docs import mount_docs
 from loraplex.server.errors import install_error_handlers
@@ -21,7 +23,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         title="loraplex", version=__version__, description="Multi-LoRA inference server (LoRAX/TGI and OpenAI APIs).",
         docs_url=None, redoc_url=None,  # served below from local files: no CDN, works offline
     )
-    state = ServerState(engine, config or ServerConfig(), Metrics(engine.engine))
+    config = config or ServerConfig()
+    state = ServerState(engine, config, Metrics(engine.engine), adapter_store(engine.engine, config))
     app.state.loraplex = state
     if state.config.cors_allow_origin:
         app.add_middleware(
@@ -39,4 +42,15 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         return Response(get_state(request).metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def adapter_store(engine: Engine, config: ServerConfig) -> AdapterStore:
+    """The store for the server's adapters, with `--preloaded-adapter-ids` loaded (a failure stops the start)."""
+    layers = engine.lora.layers
+    store = AdapterStore(
+        engine.lora.base_shapes, engine.config.max_lora_rank, config.adapter_roots, config.adapter_source,
+        config.max_cpu_adapters, base_weight=lambda m: layers[m].weight,
+    )
+    store.preload(config.preloaded_adapter_ids)
+    return store
 

@@ -1,8 +1,9 @@
 """Error responses in the shapes each API's clients understand.
 
-Native (LoRAX/TGI) routes: `{"error": "...", "error_type": "..."}` with 422 (validation), 424 (generation
-failed), 429 (overloaded), 503 (unhealthy). OpenAI routes (`/v1/...`): `{"error": {"message", "type",
-"param", "code"}}` with 400 (bad field), 404 (unknown model), 429 (overloaded), 500 (generation failed).
+Native (LoRAX/TGI) routes: `{"error": "...", "error_type": "..."}` with 404 (adapter not found), 422
+(validation, invalid adapter), 424 (generation failed), 429 (overloaded), 503 (unhealthy). OpenAI
+routes (`/v1/...`): `{"error": {"message", "type", "param", "code"}}` with 400 (bad field, invalid
+adapter), 404 (unknown model or adapter), 429 (overloaded), 500 (generation failed).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from loraplex.engine.engine import RequestRefused
+from loraplex.lora.adapter import AdapterInvalid, AdapterNotFound
 from loraplex.server.state import GenerationFailed, Overloaded
 
 
 class ModelNotFound(LookupError):
-    """An OpenAI `model` (or, later, an adapter) that this server does not serve."""
+    """An OpenAI `model` that this server does not serve."""
 
 
 class BadRequest(ValueError):
@@ -43,13 +45,17 @@ def openai_error(status: int, message: str, kind: str, param: str | None = None,
 def error_response(request: Request, exc: Exception) -> JSONResponse:
     """The response for a known exception, in the shape of the route's API (and its failure counted)."""
     if not isinstance(exc, GenerationFailed):  # those are counted where they happen
-        kind = {Overloaded: "overloaded", ModelNotFound: "not_found"}.get(type(exc), "validation")
+        kind = {Overloaded: "overloaded", ModelNotFound: "not_found", AdapterNotFound: "not_found"}.get(
+            type(exc), "validation"
+        )
         request.app.state.loraplex.metrics.on_failure(kind)
     openai = is_openai(request)
     if isinstance(exc, Overloaded):
         return openai_error(429, str(exc), "rate_limit_error", code="overloaded") if openai else native_error(429, str(exc), "overloaded")
-    if isinstance(exc, ModelNotFound):
+    if isinstance(exc, (ModelNotFound, AdapterNotFound)):
         return openai_error(404, str(exc), "not_found_error", "model", "model_not_found") if openai else native_error(404, str(exc), "not_found")
+    if isinstance(exc, AdapterInvalid):
+        return openai_error(400, str(exc), "invalid_request_error", "model", "invalid_adapter") if openai else native_error(422, str(exc), "validation")
     if isinstance(exc, (RequestRefused, BadRequest)):
         param = getattr(exc, "param", None)
         return openai_error(400, str(exc), "invalid_request_error", param) if openai else native_error(422, str(exc), "validation")
@@ -69,5 +75,5 @@ def install_error_handlers(app: FastAPI) -> None:
             return openai_error(400, message, "invalid_request_error", where or None)
         return native_error(422, message, "validation")
 
-    for kind in (Overloaded, ModelNotFound, RequestRefused, BadRequest, GenerationFailed):
+    for kind in (Overloaded, ModelNotFound, AdapterNotFound, AdapterInvalid, RequestRefused, BadRequest, GenerationFailed):
         app.add_exception_handler(kind, error_response)

@@ -8,6 +8,7 @@ Engine-state gauges are read at scrape time.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
@@ -20,6 +21,8 @@ DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 BASE_ADAPTER = "base"  # the `adapter` label of requests served by the base model
+MAX_ADAPTER_LABELS = 100  # distinct `adapter` label values; later adapters are counted as "other"
+OTHER_ADAPTERS = "other"
 
 
 class Metrics:
@@ -46,15 +49,23 @@ class Metrics:
         self.input_length = Histogram(
             "lorax_request_input_length", "Prompt tokens per request", buckets=TOKEN_BUCKETS, registry=r
         )
+        self._adapter_labels: set[str] = {BASE_ADAPTER}
         r.register(_EngineGauges(engine))
 
+    def _label(self, adapter: str) -> str:
+        """Bounded cardinality: the first MAX_ADAPTER_LABELS adapters seen get their own label."""
+        if adapter not in self._adapter_labels and len(self._adapter_labels) >= MAX_ADAPTER_LABELS:
+            return OTHER_ADAPTERS
+        self._adapter_labels.add(adapter)
+        return adapter
+
     def on_request(self, num_prompt_tokens: int, adapter: str = BASE_ADAPTER) -> None:
-        self.request_count.labels(adapter).inc()
+        self.request_count.labels(self._label(adapter)).inc()
         self.input_length.observe(num_prompt_tokens)
 
     def on_success(self, final: "RequestOutput", adapter: str = BASE_ADAPTER) -> None:
         t = final.timings
-        self.request_success.labels(adapter).inc()
+        self.request_success.labels(self._label(adapter)).inc()
         self.duration.observe(t.get("total", 0.0))
         self.queue_duration.observe(t.get("queue", 0.0))
         self.inference_duration.observe(t.get("total", 0.0) - t.get("queue", 0.0))
@@ -88,8 +99,9 @@ class _EngineGauges:
             "vllm:lora_requests_info", "Adapters of running and waiting requests",
             labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
         )
-        # No adapters are served yet (the multi-LoRA issue adds them): empty lists, max_lora 0.
-        info.add_metric(["", "", "0"], 1.0)
+        adapters = self.engine.adapter_ids
+        slots = str(self.engine.scheduler.slots.num_slots)
+        info.add_metric([",".join(adapters["running"]), ",".join(adapters["waiting"]), slots], time.time())
         yield info
 
     def describe(self):

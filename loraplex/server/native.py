@@ -13,6 +13,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from loraplex import __version__
 from loraplex.engine.engine import RequestOutput
+from loraplex.lora.adapter import LoraAdapter
+from loraplex.lora.store import MergeSpec
 from loraplex.params import SamplingParams
 from loraplex.protocol.native import (
     BestOfSequence,
@@ -20,6 +22,7 @@ from loraplex.protocol.native import (
     Details,
     GenerateRequest,
     GenerateResponse,
+    MergedAdapters,
     StreamDetails,
     StreamResponse,
     Token,
@@ -27,7 +30,7 @@ from loraplex.protocol.native import (
 )
 from loraplex.server.errors import BadRequest, native_error
 from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences
-from loraplex.server.state import GenerationFailed, ServerState, get_state, run_to_end
+from loraplex.server.state import GenerationFailed, ServerState, adapter_header, get_state, run_to_end
 
 router = APIRouter()
 
@@ -38,15 +41,19 @@ class Prepared:
     params: SamplingParams
     prefix: str  # prepended to generated_text (return_full_text)
     validated_at: float
+    adapter: LoraAdapter | None = None
 
 
-def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
-    """Validate a native request against the server's limits and turn it into engine inputs."""
+async def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
+    """Validate a native request against the server's limits and turn it into engine inputs.
+
+    The adapter is loaded last, so a request with bad parameters never triggers a load.
+    """
     started = time.perf_counter()
     p = body.parameters
     limits = state.config
-    if p.adapter_id or p.merged_adapters:
-        raise BadRequest("adapters are not served yet (the multi-LoRA issue adds them)", "adapter_id")
+    if p.adapter_id and p.merged_adapters:
+        raise BadRequest("give adapter_id or merged_adapters, not both", "merged_adapters")
     if p.response_format is not None:
         raise BadRequest("response_format is not supported yet", "response_format")
     check_stop_sequences(state, len(p.stop))
@@ -66,7 +73,17 @@ def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
     max_new = p.max_new_tokens or limits.default_max_new_tokens
     check_prompt_and_budget(state, prompt_ids, max_new, "inputs", "max_new_tokens")
     prefix = body.inputs if p.return_full_text else ""
-    return Prepared(prompt_ids, p.to_sampling_params(max_new), prefix, time.perf_counter() - started)
+    params = p.to_sampling_params(max_new)
+    adapter = await state.adapter(p.adapter_id, p.adapter_source, merge_spec(p.merged_adapters))
+    return Prepared(prompt_ids, params, prefix, time.perf_counter() - started, adapter)
+
+
+def merge_spec(merged: MergedAdapters | None) -> MergeSpec | None:
+    if merged is None:
+        return None
+    return MergeSpec(
+        tuple(merged.ids), tuple(merged.weights), merged.merge_strategy, merged.density, merged.majority_sign_method
+    )
 
 
 def headers(state: ServerState, prepared: Prepared, final: RequestOutput, started: float) -> dict[str, str]:
@@ -87,7 +104,9 @@ def headers(state: ServerState, prepared: Prepared, final: RequestOutput, starte
         "x-prompt-tokens": str(final.num_prompt_tokens),
         "x-generated-tokens": str(final.num_generated_tokens),
         "x-model-id": state.model_id,
+        **adapter_header(prepared.adapter),
     }
+
 
 
 def sampled_seed(params: SamplingParams, seed: int | None) -> int | None:
@@ -96,9 +115,11 @@ def sampled_seed(params: SamplingParams, seed: int | None) -> int | None:
 
 async def generate_json(state: ServerState, body: GenerateRequest) -> JSONResponse:
     started = time.perf_counter()
-    prepared = prepare(state, body)
+    prepared = await prepare(state, body)
     best_of = body.parameters.best_of or 1
-    runs = await asyncio.gather(*(run_to_end(state, prepared.prompt_ids, prepared.params) for _ in range(best_of)))
+    runs = await asyncio.gather(
+        *(run_to_end(state, prepared.prompt_ids, prepared.params, prepared.adapter) for _ in range(best_of))
+    )
     best = max(runs, key=lambda r: r.logprob_sum)
     final = best.final
     details = None
@@ -122,10 +143,10 @@ async def generate_json(state: ServerState, body: GenerateRequest) -> JSONRespon
 
 
 async def generate_sse(state: ServerState, body: GenerateRequest):
-    prepared = prepare(state, body)
     if (body.parameters.best_of or 1) > 1:
         raise BadRequest("best_of > 1 is not supported when streaming", "best_of")
-    outputs = state.generate(prepared.prompt_ids, prepared.params)
+    prepared = await prepare(state, body)
+    outputs = state.generate(prepared.prompt_ids, prepared.params, prepared.adapter)
     first = await anext(outputs)  # refusals surface here, before any byte, as a plain error response
 
     async def events() -> AsyncIterator[str]:
@@ -148,7 +169,8 @@ async def generate_sse(state: ServerState, body: GenerateRequest):
         finally:
             await outputs.aclose()  # a client that went away aborts its request here
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"x-model-id": state.model_id})
+    headers = {"x-model-id": state.model_id, **adapter_header(prepared.adapter)}
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
 _OPTIONAL = ("details", "best_of_sequences", "alternative_tokens", "generated_text")

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from loraplex.engine.engine import RequestOutput
+from loraplex.lora.adapter import LoraAdapter
 from loraplex.params import SamplingParams, TokenInfo
 from loraplex.protocol.openai import (
     AssistantMessage,
@@ -47,6 +48,7 @@ from loraplex.server.state import (
     Finished,
     GenerationFailed,
     ServerState,
+    adapter_header,
     get_state,
     run_to_end,
 )
@@ -58,23 +60,31 @@ T = TypeVar("T")
 
 
 def served_model_ids(state: ServerState) -> list[str]:
-    """Every `model` a client may ask for. Adapters join this list with the multi-LoRA issue."""
-    return [state.model_id]
+    """The base model and every adapter loaded or preloaded (any other adapter id loads on request)."""
+    return [state.model_id, *state.adapters.loaded_ids()]
 
 
-def resolve_model(state: ServerState, requested: str | None) -> str:
-    """The model id a response names; "" or no model means the base model."""
-    if not requested:
-        return state.model_id
-    if requested not in served_model_ids(state):
-        raise ModelNotFound(
-            f"The model `{requested}` does not exist: this server serves {', '.join(served_model_ids(state))}"
-        )
-    return requested
+@dataclass(frozen=True)
+class Served:
+    """What a request's `model` names: the base model, or an adapter on it."""
+
+    name: str
+    adapter: LoraAdapter | None = None
+
+
+async def resolve_model(state: ServerState, requested: str | None) -> Served:
+    """"" / no model / the base model id: the base model; anything else is an adapter id, loaded now.
+
+    Raises AdapterNotFound (404) or AdapterInvalid (400): never a silent answer from the base model.
+    """
+    if not requested or requested == state.model_id:
+        return Served(state.model_id)
+    return Served(requested, await state.adapter(requested))
 
 
 def model_card(state: ServerState, model_id: str) -> ModelCard:
-    return ModelCard(id=model_id, created=int(state.started_at), root=state.model_id)
+    parent = None if model_id == state.model_id else state.model_id
+    return ModelCard(id=model_id, created=int(state.started_at), root=state.model_id, parent=parent)
 
 
 @router.get("/models")
@@ -86,7 +96,9 @@ async def list_models(request: Request):
 @router.get("/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request):
     state = get_state(request)
-    return model_card(state, resolve_model(state, model_id)).model_dump()
+    if model_id not in served_model_ids(state):
+        raise ModelNotFound(f"The model `{model_id}` is not loaded: this server serves {', '.join(served_model_ids(state))}")
+    return model_card(state, model_id).model_dump()
 
 
 # ---- validation -> engine inputs -----------------------------------------------------------------
@@ -185,16 +197,16 @@ async def _all_or_none(coros: list) -> list:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def run_all(state: ServerState, jobs: list[Job]) -> list[Finished]:
-    return await _all_or_none([run_to_end(state, job.prompt_ids, job.params) for job in jobs])
+async def run_all(state: ServerState, jobs: list[Job], adapter: LoraAdapter | None) -> list[Finished]:
+    return await _all_or_none([run_to_end(state, job.prompt_ids, job.params, adapter) for job in jobs])
 
 
 Started = list[tuple[AsyncIterator[RequestOutput], RequestOutput]]
 
 
-async def start_all(state: ServerState, jobs: list[Job]) -> Started:
+async def start_all(state: ServerState, jobs: list[Job], adapter: LoraAdapter | None = None) -> Started:
     """Every job's first output, so that refusals come back as plain errors; on failure none stays open."""
-    streams = [state.generate(job.prompt_ids, job.params) for job in jobs]
+    streams = [state.generate(job.prompt_ids, job.params, adapter) for job in jobs]
 
     async def first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         return await anext(stream)
@@ -325,11 +337,12 @@ async def stream_events(
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request):
     state = get_state(request)
-    model = resolve_model(state, body.model)
     jobs = prepare_completion(state, body)
+    served = await resolve_model(state, body.model)
+    model = served.name
     rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.choices_per_prompt
     if body.stream:
-        started = await start_all(state, jobs)
+        started = await start_all(state, jobs, served.adapter)
         offsets = {job.index: len(job.echo) for job in jobs}
 
         def content(job: Job, text: str, tokens: list[TokenInfo] | None) -> dict:
@@ -348,9 +361,9 @@ async def completions(body: CompletionRequest, request: Request):
             usage=lambda u: CompletionChunk(id=rid, created=created, model=model, choices=[], usage=u).model_dump(),
         )
         events = stream_events(jobs, started, body.stops, body.logprobs is not None, body.include_usage, render)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return StreamingResponse(events, media_type="text/event-stream", headers=adapter_header(served.adapter))
 
-    results = await run_all(state, jobs)
+    results = await run_all(state, jobs, served.adapter)
     choices = []
     for p in sorted({job.prompt_index for job in jobs}):
         runs = [(job, r) for job, r in zip(jobs, results) if job.prompt_index == p]
@@ -366,17 +379,18 @@ async def completions(body: CompletionRequest, request: Request):
                                             logprobs=logprobs, finish_reason=finish_reason_name(r.final.finish_reason)))
     response = CompletionResponse(id=rid, created=created, model=model, choices=choices,
                                   usage=usage(jobs, [r.final for r in results]))
-    return JSONResponse(response.model_dump())
+    return JSONResponse(response.model_dump(), headers=adapter_header(served.adapter))
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = get_state(request)
-    model = resolve_model(state, body.model)
     jobs = prepare_chat(state, body)
+    served = await resolve_model(state, body.model)
+    model = served.name
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
-        started = await start_all(state, jobs)
+        started = await start_all(state, jobs, served.adapter)
 
         def chunk(job: Job, delta: DeltaMessage, **fields) -> dict:
             choice = ChatStreamChoice(index=job.index, delta=delta, **fields)
@@ -393,9 +407,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             usage=lambda u: ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=u).model_dump(),
         )
         events = stream_events(jobs, started, body.stops, bool(body.logprobs), body.include_usage, render)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return StreamingResponse(events, media_type="text/event-stream", headers=adapter_header(served.adapter))
 
-    results = await run_all(state, jobs)
+    results = await run_all(state, jobs, served.adapter)
     choices = [
         ChatChoice(
             index=job.index, message=AssistantMessage(content=r.final.generated_text or ""),
@@ -406,4 +420,4 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     ]
     response = ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
                                       usage=usage(jobs, [r.final for r in results]))
-    return JSONResponse(response.model_dump())
+    return JSONResponse(response.model_dump(), headers=adapter_header(served.adapter))

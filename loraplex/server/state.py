@@ -17,8 +17,10 @@ from fastapi import Request
 from loraplex.config import ServerConfig
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import Engine, RequestOutput
+from loraplex.lora.adapter import LoraAdapter
+from loraplex.lora.store import AdapterStore, MergeSpec
 from loraplex.params import SamplingParams, TokenInfo
-from loraplex.server.metrics import Metrics
+from loraplex.server.metrics import BASE_ADAPTER, Metrics
 
 
 @dataclass
@@ -46,6 +48,7 @@ class ServerState:
     engine: AsyncEngine
     config: ServerConfig
     metrics: Metrics
+    adapters: AdapterStore
     in_flight: int = 0
     started_at: float = field(default_factory=time.time)
 
@@ -73,8 +76,23 @@ class ServerState:
     def release(self) -> None:
         self.in_flight -= 1
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs.
+    async def adapter(
+        self, adapter_id: str | None, source: str | None = None, merged: MergeSpec | None = None
+    ) -> LoraAdapter | None:
+        """The adapter a request names (None: the base model), loaded off the engine loop.
+
+        Raises AdapterNotFound or AdapterInvalid; only this request waits for the load.
+        """
+        if merged is not None:
+            return await self.adapters.get_merged(merged, source)
+        if not adapter_id:
+            return None
+        return await self.adapters.get(adapter_id, source)
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, adapter: LoraAdapter | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs (with `adapter`, or the base model).
 
         Before the first output it raises Overloaded (too many in flight) or RequestRefused (the engine
         cannot take it); later, GenerationFailed when the engine fails mid-way. Closing the iterator
@@ -82,12 +100,13 @@ class ServerState:
         """
         self.admit()
         request_id = uuid.uuid4().hex
-        self.metrics.on_request(len(prompt_ids))
-        stream = self.engine.generate(prompt_ids, params, request_id)
+        label = adapter.adapter_id if adapter is not None else BASE_ADAPTER
+        self.metrics.on_request(len(prompt_ids), label)
+        stream = self.engine.generate(prompt_ids, params, request_id, adapter)
         try:
             async for out in stream:
                 if out.finished:
-                    self.metrics.on_success(out)
+                    self.metrics.on_success(out, label)
                 yield out
         except RuntimeError as exc:  # counted here: mid-stream failures never reach an error handler
             self.metrics.on_failure("generation")
@@ -97,14 +116,21 @@ class ServerState:
             self.release()
 
 
-async def run_to_end(state: ServerState, prompt_ids: list[int], params: SamplingParams) -> Finished:
+async def run_to_end(
+    state: ServerState, prompt_ids: list[int], params: SamplingParams, adapter: LoraAdapter | None = None
+) -> Finished:
     tokens: list[TokenInfo] = []
     final = None
-    async for final in state.generate(prompt_ids, params):
+    async for final in state.generate(prompt_ids, params, adapter):
         if final.token is not None:
             tokens.append(final.token)
     assert final is not None and final.finished
     return Finished(final, tokens)
+
+
+def adapter_header(adapter: LoraAdapter | None) -> dict[str, str]:
+    """`x-adapter-id`: the adapter that served the request (absent for the base model)."""
+    return {} if adapter is None else {"x-adapter-id": adapter.adapter_id}
 
 
 def get_state(request: Request) -> ServerState:

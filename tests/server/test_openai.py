@@ -251,7 +251,7 @@ class FakeState:
         self.opened = 0
         self.closed: set[int] = set()
 
-    async def generate(self, prompt_ids, params):
+    async def generate(self, prompt_ids, params, adapter=None):
         number, self.opened = self.opened, self.opened + 1
         try:
             if number == self.refuse:
