@@ -108,27 +108,33 @@ class AdapterStore:
     def preload(self, adapter_ids: Sequence[str]) -> None:
         """Load adapters now (blocking) and keep them in the CPU cache for good."""
         for adapter_id in adapter_ids:
-            self.load(adapter_id)
-            with self._lock:
+            with self._lock:  # pinned first, so that even a cache of size 0 keeps it
                 self._pinned.add(self.key(adapter_id))
+            self.load(adapter_id)
 
     def load(self, adapter_id: str, source: str | None = None) -> LoraAdapter:
         """The adapter, from the cache or loaded now (blocking). Raises AdapterNotFound / AdapterInvalid."""
-        return self._future(self.key(adapter_id, source), lambda key: self._read(key, adapter_id, source)).result()
+        key = self.key(adapter_id, source)
+        return self._future(key, lambda k: self._read(k, adapter_id, source), self._listed(source)).result()
 
     async def get(self, adapter_id: str, source: str | None = None) -> LoraAdapter:
         """As `load`, without blocking the event loop."""
         key = self.key(adapter_id, source)
-        return await asyncio.wrap_future(self._future(key, lambda k: self._read(k, adapter_id, source)))
+        future = self._future(key, lambda k: self._read(k, adapter_id, source), self._listed(source))
+        return await asyncio.wrap_future(future)
 
     async def get_merged(self, spec: MergeSpec, source: str | None = None) -> LoraAdapter:
         """The weighted merge of `spec.ids` (each loaded as by `get`), cached like any adapter."""
         _check_spec(spec)
         parts = [await self.get(adapter_id, source) for adapter_id in spec.ids]
         key = spec.key(self.source_of(source))
-        return await asyncio.wrap_future(self._future(key, lambda k: _merge(k, parts, spec), name=False))
+        return await asyncio.wrap_future(self._future(key, lambda k: _merge(k, parts, spec), listed=False))
 
-    def _future(self, key: str, read: Callable[[str], LoraAdapter], name: bool = True) -> Future:
+    def _listed(self, source: str | None) -> bool:
+        """Listed adapters are those a client can name by their key alone (the default source's)."""
+        return self.source_of(source) == self.default_source
+
+    def _future(self, key: str, read: Callable[[str], LoraAdapter], listed: bool) -> Future:
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -137,19 +143,21 @@ class AdapterStore:
                 return done
             if key in self._loading:
                 return self._loading[key]
-            future = self._pool.submit(self._load_and_cache, key, read, name)
+            future = self._pool.submit(self._load_and_cache, key, read, listed)
             self._loading[key] = future
             return future
 
-    def _load_and_cache(self, key: str, read: Callable[[str], LoraAdapter], name: bool) -> LoraAdapter:
+    def _load_and_cache(self, key: str, read: Callable[[str], LoraAdapter], listed: bool) -> LoraAdapter:
         try:
             adapter = read(key)
-        finally:
+        except BaseException:
             with self._lock:
                 self._loading.pop(key, None)
-        with self._lock:
+            raise
+        with self._lock:  # one step from "loading" to "cached": a get in between would read it again
+            self._loading.pop(key, None)
             self._cache[key] = adapter
-            if name:
+            if listed:
                 self._names[key] = key
             # Requests in flight keep their own reference: dropping an adapter here never breaks them.
             unpinned = [k for k in self._cache if k not in self._pinned]
@@ -170,15 +178,24 @@ class AdapterStore:
             raise AdapterNotFound(
                 f"adapter {adapter_id!r}: local adapters are off (start the server with --adapter-root DIR)"
             )
-        given = pathlib.Path(adapter_id).expanduser()
-        candidates = [given] if given.is_absolute() else [root / given for root in self.roots]
-        for candidate in candidates:
-            resolved = candidate.resolve()
-            if not any(resolved.is_relative_to(root) for root in self.roots):
-                raise AdapterInvalid(f"adapter {adapter_id!r} resolves outside the adapter roots (--adapter-root)")
-            if resolved.is_dir():
-                return resolved
+        try:
+            given = pathlib.Path(adapter_id).expanduser()
+            candidates = [given] if given.is_absolute() else [root / given for root in self.roots]
+            for candidate in candidates:
+                resolved = candidate.resolve()
+                self._check_inside_roots(adapter_id, resolved)
+                if resolved.is_dir():
+                    # The files too: a symlinked file must not reach outside the roots either.
+                    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+                        self._check_inside_roots(adapter_id, (resolved / name).resolve())
+                    return resolved
+        except (ValueError, OSError, RuntimeError) as exc:  # NUL bytes, names too long, unknown ~user
+            raise AdapterNotFound(f"adapter {adapter_id!r} cannot name a directory ({exc})") from exc
         raise AdapterNotFound(f"adapter {adapter_id!r} not found in the adapter roots")
+
+    def _check_inside_roots(self, adapter_id: str, path: pathlib.Path) -> None:
+        if not any(path.is_relative_to(root) for root in self.roots):
+            raise AdapterInvalid(f"adapter {adapter_id!r} resolves outside the adapter roots (--adapter-root)")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

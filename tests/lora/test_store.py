@@ -562,7 +562,7 @@ def test_a_get_right_as_a_load_finishes_does_not_read_again(root, loads):
             # After the loader thread releases the lock with the read done, a new request arrives.
             if threading.current_thread().name.startswith("loraplex-adapters") and loads.calls and not probed:
                 probed.append(True)
-                late.append(store._future("a", lambda key: store._read(key, "a", None)))
+                late.append(store._future("a", lambda key: store._read(key, "a", None), True))
             return result
 
     store._lock = ProbedLock()
