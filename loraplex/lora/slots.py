@@ -27,6 +27,7 @@ class AdapterSlots:
         self._since: dict[str, float] = {}  # when the adapter got its slot
         self._recency: OrderedDict[str, None] = OrderedDict()  # least recently used first
         self._draining: set[str] = set()
+        self._wanted: set[str] = set()  # adapters of this step's waiting requests
 
     def slot_of(self, adapter: str) -> int | None:
         return self._slot_of.get(adapter)
@@ -42,6 +43,7 @@ class AdapterSlots:
 
     def begin_step(self, wanted: list[str]) -> None:
         """Decide which adapters stop admitting this step. `wanted`: adapters of waiting requests."""
+        self._wanted = set(wanted)
         starved = any(a not in self._slot_of for a in wanted)
         if not starved or self._can_take_slot():
             self._draining = set()
@@ -88,11 +90,15 @@ class AdapterSlots:
         """A free slot, else the least recently used unpinned one (evicting its adapter)."""
         if None in self.occupant:
             return self.occupant.index(None)
-        # Draining adapters go first: they are the ones rotation is making room for.
+        # Draining adapters go first (rotation is making room for others), then adapters no waiting
+        # request wants (evicting a wanted one would only reinstall it elsewhere), then the LRU one.
         candidates = [a for a in self._recency if a not in self._pins]
         if not candidates:
             return None
-        victim = next((a for a in candidates if a in self._draining), candidates[0])
+        victim = next(
+            (a for a in candidates if a in self._draining),
+            next((a for a in candidates if a not in self._wanted), candidates[0]),
+        )
         slot = self._slot_of.pop(victim)
         del self._since[victim], self._recency[victim]
         self._draining.discard(victim)

@@ -427,3 +427,16 @@ def test_no_adapter_waits_forever_under_random_load(seed):
     assert max(waits) <= bound, (max(waits), bound)
     # Cold adapters did have to wait for a rotation: the test exercised it.
     assert max(w for w, r in zip(waits, requests) if r.adapter_id in cold) >= cycle
+
+
+def test_eviction_spares_an_adapter_a_waiting_request_wants():
+    slots = AdapterSlots(2, 10.0, clock=lambda: 0.0)
+    for adapter in "ab":
+        slots.acquire(adapter)
+        slots.release(adapter)
+    slots.acquire("b")
+    slots.release("b")  # "a" is now the least recently used
+    slots.begin_step(["c", "a"])
+    assert slots.acquire("c") == (slots.slot_of("c"), True)
+    assert slots.slot_of("a") is not None and slots.slot_of("b") is None  # "b" went: nobody waits for it
+    assert slots.acquire("a")[1] is False  # still in its slot: no reinstall
