@@ -17,7 +17,9 @@ from loraplex.engine.loading import LoadedModel, build_model
 from loraplex.engine.request import Request
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.scheduler import ScheduledRequest
-from loraplex.layers.forward_context import ForwardContext, forward_context
+from loraplex.layers.forward_context import ForwardContext, LoraRows, LoraSegment, forward_context
+from loraplex.lora.adapter import LoraAdapter
+from loraplex.lora.layers import LoraSlots
 from loraplex.params import SamplingParams
 
 
@@ -64,16 +66,28 @@ def engine_for(model, config: ModelConfig, tokenizer=None, device: str = "cpu", 
 
 
 @torch.inference_mode()
-def full_logits(model, config: ModelConfig, token_ids: list[int], device: str = "cpu") -> torch.Tensor:
-    """Logits at every position of one sequence, through our paged attention path (one prefill step)."""
+def full_logits(
+    model, config: ModelConfig, token_ids: list[int], device: str = "cpu", adapter: LoraAdapter | None = None
+) -> torch.Tensor:
+    """Logits at every position of one sequence, through our paged attention path (one prefill step).
+
+    With `adapter`, every row (token rows and logits rows) uses it, from a one-slot table of its own:
+    the model's LoRA wrappers hold no adapter state, so nothing outlives the call.
+    """
     dtype = next(model.parameters()).dtype
     runner = ModelRunner(model, config.num_layers, config.num_kv_heads, config.head_dim, 64, 16, torch.device(device), dtype)
     request = Request("probe", list(token_ids), SamplingParams(max_new_tokens=1), 0, 0.0)
     request.block_ids = list(range(-(-len(token_ids) // 16)))
     batch = runner._build_batch([ScheduledRequest(request, len(token_ids))])
-    with forward_context(ForwardContext(batch.metadata, runner.kv_caches, runner.backend)):
+    lora = None
+    if adapter is not None:
+        slots = LoraSlots(model, 1, torch.device(device), dtype)
+        slots.install(0, adapter)
+        rows = [LoraSegment(0, 0, len(token_ids))]
+        lora = LoraRows(tokens=rows, logits=rows, weights=slots.tables)
+    with forward_context(ForwardContext(batch.metadata, runner.kv_caches, runner.backend, lora)):
         hidden = model(batch.input_ids, batch.positions)
-    return model.compute_logits(hidden).float()
+        return model.compute_logits(hidden).float()
 
 
 def free_port() -> int:
