@@ -4,6 +4,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.loraplex-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
+# The LoRA adapters shipped in examples/adapters (trained on the embedded model), served by name.
+ADAPTER_ROOT := examples/adapters
+ADAPTERS     := $(notdir $(patsubst %/,%,$(wildcard $(ADAPTER_ROOT)/*/)))
 
 .PHONY: install serve test bench browser
 
@@ -22,7 +25,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 serve: install
-	$(VENV)/bin/loraplex serve --hostname $(HOST) --port $(PORT)
+	$(VENV)/bin/loraplex serve --hostname $(HOST) --port $(PORT) \
+		--adapter-source local --adapter-root $(ADAPTER_ROOT) $(if $(ADAPTERS),--preloaded-adapter-ids $(ADAPTERS))
 
 test: install browser
 	$(VENV)/bin/python -m pytest -q tests --ignore=tests/gpu
