@@ -7,7 +7,7 @@ per-request state every step, so a request that finishes simply stops being sche
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -22,7 +22,11 @@ from loraplex.layers.forward_context import (
     LoraSegment,
     forward_context,
 )
+from loraplex.lora.layers import Stack
 from loraplex.sampling import Sampler, token_logprobs
+
+# Steps whose adapter segments average at most this many rows use the stacked LoRA form.
+STACKED_ROWS_PER_SEGMENT = 8
 
 
 @dataclass
@@ -87,10 +91,12 @@ class ModelRunner:
         self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
         block_size: int, device: torch.device, dtype: torch.dtype, backend: AttentionBackend | None = None,
         lora_tables: Mapping[str, Sequence[Any]] | None = None,
+        lora_stack: Callable[[tuple[int, ...]], Stack] | None = None,
     ) -> None:
         self.model = model
         self.lora_tables = lora_tables or {}  # LoRA layer -> weights per slot (LoraSlots.tables)
-        self.device = device
+        self.lora_stack = lora_stack  # LoraSlots.stack: the step's adapters side by side
+        self.device, self.dtype = device, dtype
         self.block_size = block_size
         self.backend = backend or TorchAttentionBackend()
         self.kv_caches = self.backend.allocate_kv_cache(
@@ -113,10 +119,7 @@ class ModelRunner:
         batch = self._build_batch(scheduled)
         slots = [item.request.adapter_slot for item in scheduled]
         starts = batch.metadata.query_start_loc
-        lora = None
-        if any(slot is not None for slot in slots):
-            token_counts = [starts[i + 1] - starts[i] for i in range(len(slots))]
-            lora = LoraRows(tokens=lora_segments(slots, token_counts), logits=[], weights=self.lora_tables)
+        lora = self._lora_rows(slots, [starts[i + 1] - starts[i] for i in range(len(slots))])
         ctx = ForwardContext(batch.metadata, self.kv_caches, self.backend, lora)
         results = [StepResult() for _ in scheduled]
         with forward_context(ctx):
@@ -124,8 +127,7 @@ class ModelRunner:
             sample_seqs = [i for i, s in enumerate(scheduled) if s.completes_sequence]
             if sample_seqs:
                 rows = torch.tensor([starts[i + 1] - 1 for i in sample_seqs], device=self.device)
-                if lora is not None:
-                    lora.logits = lora_segments([slots[i] for i in sample_seqs], [1] * len(sample_seqs))
+                self._set_logits_rows(lora, [slots[i] for i in sample_seqs], [1] * len(sample_seqs))
                 logits = self.model.compute_logits(hidden[rows])
                 requests = [scheduled[i].request for i in sample_seqs]
                 out = self.sampler(
@@ -145,6 +147,31 @@ class ModelRunner:
                     results[i].prompt_logprobs = self._prompt_logprobs(item, hidden[starts[i] : starts[i + 1]], lora)
         return results
 
+    def _lora_rows(self, slots: list[int | None], row_counts: list[int]) -> LoraRows | None:
+        """Which rows use which adapter this step (None: no row does).
+
+        Many short segments (decode) use the stacked form: two matmuls per module for all adapters
+        at once instead of two per adapter; long segments (prefill) keep one pair each.
+        """
+        segments = lora_segments(slots, row_counts)
+        if not segments:
+            return None
+        lora = LoraRows(tokens=segments, logits=[], weights=self.lora_tables)
+        num_rows = sum(row_counts)
+        if self.lora_stack is not None and len(segments) > 1 and num_rows <= STACKED_ROWS_PER_SEGMENT * len(segments):
+            self._stack = self.lora_stack(tuple(sorted({s.slot for s in segments})))
+            lora.stacked = self._stack.layers
+            lora.masks["tokens"] = self._stack.mask(segments, num_rows, self.device, self.dtype)
+        return lora
+
+    def _set_logits_rows(self, lora: LoraRows | None, slots: list[int | None], row_counts: list[int]) -> None:
+        """Before each compute_logits call: which of the rows handed to it use which adapter."""
+        if lora is None:
+            return
+        lora.logits = lora_segments(slots, row_counts)
+        if lora.stacked is not None:
+            lora.masks["logits"] = self._stack.mask(lora.logits, sum(row_counts), self.device, self.dtype)
+
     def _prompt_logprobs(
         self, item: ScheduledRequest, hidden: torch.Tensor, lora: LoraRows | None
     ) -> list[float | None]:
@@ -162,8 +189,7 @@ class ModelRunner:
         if last >= first:
             rows = hidden[first - 1 - start : last - start]
             targets = torch.tensor(request.prompt_ids[first : last + 1], device=self.device)
-            if lora is not None:
-                lora.logits = lora_segments([request.adapter_slot], [rows.shape[0]])
+            self._set_logits_rows(lora, [request.adapter_slot], [rows.shape[0]])
             values += token_logprobs(self.model.compute_logits(rows), targets).tolist()
         return values
 

@@ -7,7 +7,7 @@ layers read it. Model code never sees it, so model `forward` signatures stay tho
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -66,6 +66,10 @@ class LoraRows:
     tokens: list[LoraSegment]
     logits: list[LoraSegment]
     weights: Mapping[str, Sequence[Any]]  # LoRA layer name -> the weights in each slot (None: no delta)
+    # For steps of many short segments: per layer (A stack, B stack) of the step's adapters, and per
+    # row kind a [rows, stack width] 0/1 mask of the columns each row uses. None: use the segments.
+    stacked: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    masks: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def segments(self, kind: str) -> list[LoraSegment]:
         return self.tokens if kind == "tokens" else self.logits

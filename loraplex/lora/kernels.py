@@ -5,6 +5,11 @@ adapter, `out[rows] += scale * (x[rows] @ A.T) @ B.T` ("shrink" to rank r, then 
 prefill segment is one pair of matmuls (SGMV-like); a decode segment is a few rows (BGMV-like).
 Ranks may differ between segments. This is the plain PyTorch implementation (CPU and CUDA); faster
 GPU kernels plug in behind the same signature.
+
+`add_lora_stacked` is the same delta for steps of many short segments (decode): every active
+adapter's A stacked into one matrix, so the whole step is two matmuls per module whatever the number
+of adapters; a 0/1 mask keeps, for each row, only its own adapter's rank columns. It computes every
+adapter's shrink for every row, which is cheap only while rows are few (the runner decides).
 """
 
 from __future__ import annotations
@@ -29,3 +34,11 @@ def add_lora(
         shrunk = x[rows] @ weights.a.t()
         out[rows].addmm_(shrunk, weights.b.t(), alpha=weights.scale)
     return out
+
+
+def add_lora_stacked(
+    out: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor
+) -> torch.Tensor:
+    """out += ((x @ a_stack.T) * mask) @ b_stack.T; a_stack [W, in], b_stack [out, W] (scales folded in)."""
+    shrunk = (x @ a_stack.t()).mul_(mask)
+    return out.addmm_(shrunk, b_stack.t())

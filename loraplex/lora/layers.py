@@ -9,12 +9,14 @@ model code never changes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from loraplex.layers.forward_context import current_lora_rows
 from loraplex.lora.adapter import BaseShapes, LoraAdapter, LoraWeights
-from loraplex.lora.kernels import add_lora
+from loraplex.lora.kernels import add_lora, add_lora_stacked
 
 # The output head sees the rows handed to compute_logits, not the step's token rows.
 _ROW_KIND = {"lm_head": "logits"}
@@ -44,6 +46,9 @@ class LoraLinear(nn.Module):
         rows = current_lora_rows()
         if rows is None:
             return out
+        if rows.stacked is not None:
+            a_stack, b_stack = rows.stacked[self.name]
+            return add_lora_stacked(out, x, rows.masks[self.row_kind], a_stack, b_stack)
         return add_lora(out, x, rows.segments(self.row_kind), rows.weights[self.name])
 
 
@@ -70,6 +75,7 @@ class LoraSlots:
         self.layers = wrap_linears(model)
         self.tables: dict[str, list[LoraWeights | None]] = {name: [None] * num_slots for name in self.layers}
         self.occupant: list[str | None] = [None] * num_slots
+        self._stack: tuple[tuple[int, ...], Stack] | None = None  # the last one built, until an install
 
     @property
     def base_shapes(self) -> BaseShapes:
@@ -84,3 +90,47 @@ class LoraSlots:
             weights = adapter.modules.get(name)
             table[slot] = None if weights is None else weights.to(self.device, self.dtype)
         self.occupant[slot] = adapter.adapter_id
+        self._stack = None
+
+    def stack(self, slots: tuple[int, ...]) -> "Stack":
+        """The adapters in `slots` stacked per layer, each given a block of columns as wide as its
+        largest rank (zero-padded where a module's rank is smaller or absent). Kept while unchanged."""
+        if self._stack is not None and self._stack[0] == slots:
+            return self._stack[1]
+        widths = [max((t[s].rank for t in self.tables.values() if t[s] is not None), default=0) for s in slots]
+        offsets, start = {}, 0
+        for slot, width in zip(slots, widths):
+            offsets[slot] = (start, width)
+            start += width
+        layers = {}
+        for name, table in self.tables.items():
+            layer = self.layers[name]
+            a_stack = torch.zeros(start, layer.in_features, device=self.device, dtype=self.dtype)
+            b_stack = torch.zeros(layer.out_features, start, device=self.device, dtype=self.dtype)
+            for slot in slots:
+                weights = table[slot]
+                if weights is not None:
+                    first = offsets[slot][0]
+                    a_stack[first : first + weights.rank] = weights.a
+                    b_stack[:, first : first + weights.rank] = weights.b * weights.scale
+            layers[name] = (a_stack, b_stack)
+        stack = Stack(offsets, start, layers)
+        self._stack = (slots, stack)
+        return stack
+
+
+@dataclass
+class Stack:
+    """Several slots' adapters side by side: slot -> (first column, width), and per layer (A, B)."""
+
+    offsets: dict[int, tuple[int, int]]
+    width: int
+    layers: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    def mask(self, segments, num_rows: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """[num_rows, width] with ones where a row's adapter has its columns."""
+        mask = torch.zeros(num_rows, self.width, dtype=dtype)
+        for segment in segments:
+            first, width = self.offsets[segment.slot]
+            mask[segment.start : segment.end, first : first + width] = 1
+        return mask.to(device)
