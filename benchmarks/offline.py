@@ -1,11 +1,16 @@
 """Offline throughput benchmark: loraplex against Hugging Face transformers, measured in one run.
 
-    loraplex bench [--workload equal|mixed|all] [--requests 32] [--one-at-a-time-requests 8] [--model-id ID] [--seed 0]
-                   [--repeats 1] [--json PATH]
+    loraplex bench [--workload equal|mixed|adapters|all] [--requests 32] [--one-at-a-time-requests 8] [--model-id ID]
+                   [--seed 0] [--repeats 1] [--adapters 8] [--adapter-rank 16] [--rotation-adapters 64]
+                   [--rotation-slots 8] [--json PATH]
 
 Every system is warmed up once on a small run (excluded), then timed with time.perf_counter on the same prompts.
 The figures that matter are the ratios of output tokens/s: on a noisy machine only rates measured in the same run
 compare. `--repeats N` lets the systems take turns N times and keeps each one's best time.
+
+`all` (the default) runs equal and mixed. The adapters workload (see benchmarks/adapters.py: loraplex with
+adapters against PEFT's mixed-adapter batch and against itself on the base model, plus adapters rotating
+through fewer device slots) runs only when named: it times four systems and takes longer than the default set.
 """
 
 from __future__ import annotations
@@ -14,13 +19,25 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from time import perf_counter
 
 import torch
 
+from benchmarks.adapters import (
+    AdapterResult,
+    AdapterSpec,
+    PEFTMixed,
+    adapter_from_peft,
+    bench_adapters,
+    format_adapter_result,
+    make_peft_model,
+    random_adapter,
+)
 from benchmarks.peers import HFBatched, HFOneAtATime, load_hf_model
-from benchmarks.workload import Workload, equal_workload, mixed_workload
+from benchmarks.workload import Workload, equal_workload, mixed_workload, round_robin
+from loraplex.lora.adapter import LoraAdapter
 from loraplex.params import SamplingParams
 
 # Targets for loraplex's tokens/s as a multiple of each peer's.
@@ -28,19 +45,46 @@ TARGETS = {
     "equal": {"batched": 1.0, "one_at_a_time": 5.0},
     "mixed": {"batched": 1.5, "one_at_a_time": 5.0},
 }
+MAX_IDLE_STEPS = 1000  # engine steps in a row that schedule nothing: the run is stuck
 
 
 class Loraplex:
-    """All requests submitted at once to one engine; each with its own max_new_tokens, EOS ignored, greedy."""
+    """All requests submitted at once to one engine; each with its own max_new_tokens, EOS ignored, greedy.
 
-    name = "loraplex"
+    With `adapters` (adapter id -> LoraAdapter), each request runs on its workload's adapter. `stats` describes
+    the last run: engine steps, slot installs (SchedulerOutput.installs) and the most requests in one step.
+    """
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, engine, adapters: Mapping[str, LoraAdapter] | None = None, name: str = "loraplex") -> None:
+        self.engine, self.adapters, self.name = engine, adapters, name
+        self.stats: dict[str, int] = {}
+        self._idle = 0
+        self._schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = self._observed_schedule  # this engine only: count what each step does
+
+    def _observed_schedule(self):
+        plan = self._schedule()
+        self.stats["steps"] = self.stats.get("steps", 0) + bool(plan.scheduled)
+        self.stats["installs"] = self.stats.get("installs", 0) + len(plan.installs)
+        self.stats["max_running"] = max(self.stats.get("max_running", 0), len(plan.scheduled))
+        self._idle = 0 if plan.scheduled else self._idle + 1
+        return plan
 
     def run(self, workload: Workload) -> list[list[int]]:
         params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in workload.max_new_tokens]
-        return [out.token_ids for out in self.engine.generate(workload.prompts, params)]
+        adapters = [None] * workload.num_requests
+        if self.adapters is not None and workload.adapter_ids is not None:
+            adapters = [self.adapters[a] for a in workload.adapter_ids]
+        self.stats, self._idle = {}, 0
+        engine = self.engine
+        requests = [engine.add_request(p, sp, adapter=a) for p, sp, a in zip(workload.prompts, params, adapters)]
+        finals = {}
+        while engine.has_unfinished:  # Engine.generate's loop, failing instead of spinning if nothing can run
+            finals.update((out.request_id, out) for out in engine.step() if out.finished)
+            if self._idle > MAX_IDLE_STEPS:
+                raise RuntimeError(f"{self.name}: no request could be scheduled for {MAX_IDLE_STEPS} steps; "
+                                   f"{len(requests) - len(finals)} of {len(requests)} unfinished")
+        return [finals[r.request_id].token_ids for r in requests]
 
 
 @dataclass
@@ -138,13 +182,20 @@ def format_result(result: WorkloadResult, setting: str) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="loraplex bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", choices=["equal", "mixed", "all"], default="all")
+    p.add_argument("--workload", choices=["equal", "mixed", "adapters", "all"], default="all",
+                   help="all: equal and mixed (the default set); adapters runs only when named, it takes longer "
+                        "than the default set")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--one-at-a-time-requests", type=int, default=8,
                    help="transformers one-at-a-time is slow: time this many of the requests (default 8)")
     p.add_argument("--model-id", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--seed", type=int, default=0, help="workload seed (prompts, and lengths of the mixed one)")
     p.add_argument("--repeats", type=int, default=1, help="time each system N times, taking turns; keep the best")
+    p.add_argument("--adapters", type=int, default=8, help="adapters workload: adapters the requests spread over")
+    p.add_argument("--adapter-rank", type=int, default=16, help="adapters workload: LoRA rank (alpha = 2 x rank)")
+    p.add_argument("--rotation-adapters", type=int, default=64,
+                   help="adapters workload: adapters (one request each) rotating through --rotation-slots slots")
+    p.add_argument("--rotation-slots", type=int, default=8, help="max_active_adapters of the rotation run")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return p.parse_args(argv)
 
@@ -153,33 +204,44 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from loraplex.config import EngineConfig
     from loraplex.engine.engine import Engine
+    from loraplex.engine.loading import load_model
     from loraplex.weights import resolve_model
 
     started = perf_counter()
-    engine = Engine.from_config(EngineConfig(model_id=args.model_id))
-    hf_model = load_hf_model(resolve_model(args.model_id).path)
+    config = EngineConfig(model_id=args.model_id)
+    loaded = load_model(config)
+    engine = Engine(loaded, config)
+    hf_path = resolve_model(args.model_id).path
     hf_tok = engine.tokenizer.hf
     pad_id = hf_tok.pad_token_id if hf_tok.pad_token_id is not None else hf_tok.eos_token_id
-    systems = (Loraplex(engine), HFBatched(hf_model, pad_id), HFOneAtATime(hf_model, pad_id))
+    names = ["equal", "mixed"] if args.workload == "all" else [args.workload]
+    ours = Loraplex(engine)
 
     vocab, special = engine.model_config.vocab_size, hf_tok.all_special_ids
     workloads = {
         "equal": lambda: equal_workload(args.requests, vocab, special, seed=args.seed),
         "mixed": lambda: mixed_workload(args.requests, vocab, special, seed=args.seed),
     }
-    names = list(workloads) if args.workload == "all" else [args.workload]
     setting = f"{engine.device.type} {str(engine.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads"
     print(f"model {engine.model_id}; torch {torch.__version__}, torch.get_num_threads() = {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.1f} (the machine is shared: read the ratios)", flush=True)
 
     warmup = equal_workload(2, vocab, special, prompt_len=16, new_tokens=4, seed=args.seed + 1, name="warmup")
-    for system in systems:
-        system.run(warmup)
-
+    ours.run(warmup)
     results = {}
-    for name in names:
-        results[name] = bench_workload(workloads[name](), *systems, args.one_at_a_time_requests, args.repeats)
-        print(format_result(results[name], setting), flush=True)
+    plain = [n for n in names if n in workloads]
+    if plain:
+        hf_model = load_hf_model(hf_path)
+        peers = (HFBatched(hf_model, pad_id), HFOneAtATime(hf_model, pad_id))
+        for system in peers:
+            system.run(warmup)
+        for name in plain:
+            results[name] = bench_workload(workloads[name](), ours, *peers, args.one_at_a_time_requests, args.repeats)
+            print(format_result(results[name], setting), flush=True)
+    if "adapters" in names:
+        result = run_adapter_workload(args, loaded, engine, ours, load_hf_model(hf_path), pad_id, warmup, setting)
+        results["adapters"] = result
+        print(format_adapter_result(result, setting), flush=True)
     print(f"total benchmark time {perf_counter() - started:.0f}s (loading and warm-up included), "
           f"load average {os.getloadavg()[0]:.1f}")
 
@@ -189,6 +251,48 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
     return 0
+
+
+def run_adapter_workload(args, loaded, engine, ours_base: Loraplex, hf_model, pad_id: int, warmup: Workload,
+                         setting: str) -> AdapterResult:
+    """The adapters workload on `engine` (and a second engine over the same model for the rotation run)."""
+    from loraplex.config import EngineConfig
+    from loraplex.engine.engine import Engine
+
+    spec = AdapterSpec(rank=args.adapter_rank, alpha=2.0 * args.adapter_rank)
+    max_rank = max(engine.config.max_lora_rank, spec.rank)
+    if engine.config.max_active_adapters < args.adapters:
+        raise SystemExit(f"--adapters {args.adapters} is above the engine's max_active_adapters")
+    shapes = engine.lora.base_shapes
+    names = [f"adapter-{i}" for i in range(args.adapters)]
+    peft_model = make_peft_model(hf_model, names, spec, seed=args.seed)
+    adapters = {name: adapter_from_peft(peft_model, name, shapes, max_rank) for name in names}
+    rotation_ids = [f"rotation-{i}" for i in range(args.rotation_adapters)]
+    rotation_adapters = {
+        name: random_adapter(name, shapes, spec, max_rank, seed=args.seed * 1_000_003 + 1 + i)
+        for i, name in enumerate(rotation_ids)
+    }
+    vocab, special = engine.model_config.vocab_size, engine.tokenizer.hf.all_special_ids
+    workload = round_robin(equal_workload(args.requests, vocab, special, seed=args.seed), names, name="adapters")
+    rotation_workload = round_robin(
+        equal_workload(args.rotation_adapters, vocab, special, seed=args.seed), rotation_ids, name="rotation"
+    )
+    rotation_tokens = sum(len(p) + n for p, n in zip(rotation_workload.prompts, rotation_workload.max_new_tokens))
+    rotation_config = EngineConfig(  # KV cache for every rotation request at once
+        model_id=args.model_id, max_active_adapters=args.rotation_slots, max_lora_rank=max_rank,
+        max_batch_total_tokens=rotation_tokens,
+    )
+    systems = (
+        Loraplex(engine, adapters, name=f"loraplex, {args.adapters} adapters"),
+        ours_base,
+        PEFTMixed(peft_model, pad_id),
+        Loraplex(Engine(loaded, rotation_config), rotation_adapters, name="loraplex rotating adapters"),
+    )
+    adapter_warmup = round_robin(warmup, names[:2])
+    for system, w in zip(systems, (adapter_warmup, warmup, adapter_warmup, round_robin(warmup, rotation_ids[:2]))):
+        system.run(w)
+    return bench_adapters(workload, rotation_workload, *systems, spec, args.rotation_slots, args.repeats,
+                          log=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 if __name__ == "__main__":

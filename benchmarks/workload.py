@@ -13,6 +13,7 @@ class Workload:
     prompts: list[list[int]]
     max_new_tokens: list[int]  # per request; every one is generated (EOS ignored)
     seed: int = 0
+    adapter_ids: list[str] | None = None  # per request (None: every request on the base model)
 
     @property
     def num_requests(self) -> int:
@@ -25,15 +26,23 @@ class Workload:
     def select(self, indices: Iterable[int]) -> Workload:
         indices = list(indices)
         prompts, outputs = [self.prompts[i] for i in indices], [self.max_new_tokens[i] for i in indices]
-        return Workload(self.name, prompts, outputs, self.seed)
+        adapters = None if self.adapter_ids is None else [self.adapter_ids[i] for i in indices]
+        return Workload(self.name, prompts, outputs, self.seed, adapters)
 
     def head(self, n: int) -> Workload:
         return self.select(range(min(n, self.num_requests)))
 
+    @property
+    def num_adapters(self) -> int:
+        return len(set(self.adapter_ids or ()))
+
     def describe(self) -> str:
-        """'32 requests x 128 prompt / 32 new tokens', or with ranges '... x 17..250 prompt / 8..63 ... (seed 0)'."""
+        """'32 requests x 128 prompt / 32 new tokens', or with ranges '... x 17..250 prompt / 8..63 ... (seed 0)';
+        with adapters '..., round-robin over 8 adapters'."""
         prompt_lens = [len(p) for p in self.prompts]
         text = f"{self.num_requests} requests x {_span(prompt_lens)} prompt / {_span(self.max_new_tokens)} new tokens"
+        if self.adapter_ids is not None:
+            text += f", round-robin over {self.num_adapters} adapters"
         uniform = len(set(prompt_lens)) == 1 and len(set(self.max_new_tokens)) == 1
         return text if uniform else f"{text} (seed {self.seed})"
 
@@ -70,3 +79,9 @@ def mixed_workload(
     lengths = [rng.randint(*prompt_lens) for _ in range(num_requests)]
     outputs = [rng.randint(*new_tokens) for _ in range(num_requests)]
     return Workload(name, random_prompts(lengths, vocab_size, special_ids, rng), outputs, seed)
+
+
+def round_robin(workload: Workload, adapter_ids: Sequence[str], name: str | None = None) -> Workload:
+    """The workload with request i on adapter_ids[i % len(adapter_ids)]."""
+    ids = [adapter_ids[i % len(adapter_ids)] for i in range(workload.num_requests)]
+    return Workload(name or workload.name, workload.prompts, workload.max_new_tokens, workload.seed, ids)

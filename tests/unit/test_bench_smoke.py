@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks import offline
+from benchmarks.adapters import bench_adapters, format_adapter_result
 from benchmarks.offline import Loraplex, bench_workload, format_result
 from benchmarks.peers import HFBatched, HFOneAtATime
-from benchmarks.workload import equal_workload, mixed_workload
+from benchmarks.workload import equal_workload, mixed_workload, round_robin
 from tests.helpers import engine_for, ours_from_hf, tiny_hf_model
 
 WORKLOADS = {
@@ -64,3 +66,80 @@ def test_repeats_keep_each_systems_best_time(systems, monkeypatch):
     result = bench_workload(workload, *systems, one_at_a_time_requests=1, repeats=2)
     assert (result.ours.seconds, result.batched.seconds, result.one_at_a_time.seconds) == (1.0, 1.0, 1.0)
     assert "best of 2" in format_result(result, "cpu float32, 1 threads")
+
+
+# ---- the adapters workload, reduced: 4 requests over 2 adapters (8 prompt / 4 new tokens), and 4 adapters
+# rotating through 2 slots ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def adapter_systems():
+    from benchmarks.adapters import (
+        AdapterSpec,
+        PEFTMixed,
+        adapter_from_peft,
+        make_peft_model,
+        random_adapter,
+    )
+
+    hf = tiny_hf_model(seed=1)
+    model, config = ours_from_hf(hf)  # a copy: PEFT then wraps `hf` in place
+    spec = AdapterSpec(rank=4, alpha=8.0)
+    names, rotation_ids = ["a0", "a1"], [f"r{i}" for i in range(4)]
+    peft_model = make_peft_model(hf, names, spec, seed=5)
+    engine = engine_for(model, config, max_active_adapters=4)
+    rotation_engine = engine_for(model, config, max_active_adapters=2)
+    adapters = {n: adapter_from_peft(peft_model, n, engine.lora.base_shapes, 16) for n in names}
+    rotating = {n: random_adapter(n, engine.lora.base_shapes, spec, 16, seed=i) for i, n in enumerate(rotation_ids)}
+    systems = (Loraplex(engine, adapters, name="loraplex, 2 adapters"), Loraplex(engine), PEFTMixed(peft_model),
+               Loraplex(rotation_engine, rotating, name="loraplex rotating adapters"))
+    workload = round_robin(equal_workload(4, 256, [0, 1, 2], prompt_len=8, new_tokens=4, seed=3), names, "adapters")
+    rotation = round_robin(equal_workload(4, 256, [0, 1, 2], prompt_len=8, new_tokens=4, seed=3), rotation_ids)
+    return systems, workload, rotation, spec, adapters, peft_model
+
+
+def test_adapters_converted_from_peft_keep_its_weights_and_scale(adapter_systems):
+    *_, adapters, peft_model = adapter_systems
+    layer = peft_model.base_model.model.model.layers[1].mlp.down_proj
+    ours = adapters["a1"].modules["model.layers.1.mlp.down_proj"]
+    assert torch.equal(ours.a, layer.lora_A["a1"].weight) and torch.equal(ours.b, layer.lora_B["a1"].weight)
+    assert ours.scale == layer.scaling["a1"] == 2.0 and ours.b.abs().sum() > 0  # B random, not PEFT's zeros
+    assert len(adapters["a0"].modules) == 7 * 2  # seven projections x two layers
+
+
+def test_adapter_workload_structure_token_match_and_rotation(adapter_systems):
+    systems, workload, rotation, spec, *_ = adapter_systems
+    assert workload.describe() == "4 requests x 8 prompt / 4 new tokens, round-robin over 2 adapters"
+    assert workload.adapter_ids == ["a0", "a1", "a0", "a1"] and workload.head(3).adapter_ids == ["a0", "a1", "a0"]
+
+    result = bench_adapters(workload, rotation, *systems, spec, rotation_slots=2, repeats=2)
+
+    assert result.identical_to_peft == 4  # float32: loraplex's greedy tokens equal PEFT's mixed batch
+    assert result.differ_from_base >= 1  # the adapters do change the output
+    assert all(t.tokens == 16 and t.requests == 4 for t in (result.adapters, result.base, result.peft, result.rotation))
+    assert result.rotation.stats["installs"] >= 4 and result.rotation.stats["max_running"] <= 2  # 4 adapters, 2 slots
+    assert result.adapters.stats["max_running"] == 4  # all at once: both adapters hold a slot
+    text = format_adapter_result(result, "cpu float32, 1 threads")
+    for needle in ("workload adapters: 4 requests x 8 prompt / 4 new tokens, round-robin over 2 adapters",
+                   "rank 4, alpha 8, on q,k,v,o,gate,up,down", "best of 2", "loraplex, base model",
+                   "PEFT mixed-adapter batch", "loraplex, 4 adapters / 2 slots", "target >= 1.50x", "target >= 0.85x",
+                   "4/4 requests' greedy tokens identical to PEFT's"):
+        assert needle in text, (needle, text)
+    figures = result.to_json()
+    assert figures["identical_to_peft"] == [4, 4] and figures["rotation"]["max_active_adapters"] == 2
+    assert set(figures["ratios"]) == {"peft_mixed", "base", "rotation_vs_adapters"}
+    assert figures["ratios"]["base"] == pytest.approx(result.adapters.tokens_per_s / result.base.tokens_per_s)
+
+
+def test_adapter_ratios_from_measured_times(adapter_systems, monkeypatch):
+    from benchmarks import adapters as adapters_module
+
+    systems, workload, rotation, spec, *_ = adapter_systems
+    # A fake clock: loraplex with adapters 1 s, base 0.8 s, PEFT 2 s, rotation 4 s.
+    ticks = iter([0.0, 1.0, 10.0, 10.8, 20.0, 22.0, 30.0, 34.0])
+    monkeypatch.setattr(adapters_module, "perf_counter", lambda: next(ticks))
+    result = bench_adapters(workload, rotation, *systems, spec, rotation_slots=2)
+    assert result.ratios == pytest.approx({"peft_mixed": 2.0, "base": 0.8, "rotation_vs_adapters": 0.25})
+    text = format_adapter_result(result, "cpu float32, 1 threads")
+    assert "= 2.00x (target >= 1.50x, met)" in text and "= 0.80x (target >= 0.85x, NOT met)" in text
+    assert "= 0.25x loraplex with 2 adapters" in text
