@@ -26,6 +26,7 @@ from time import perf_counter
 
 import torch
 
+from benchmarks.peers import left_padded
 from benchmarks.workload import Workload
 from loraplex.lora.adapter import (
     BaseShapes,
@@ -125,12 +126,7 @@ class PEFTMixed:
 
     def run(self, workload: Workload) -> list[list[int]]:
         assert workload.adapter_ids is not None, "PEFTMixed needs a workload with adapters"
-        width = max(len(p) for p in workload.prompts)
-        input_ids = torch.full((workload.num_requests, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, prompt in enumerate(workload.prompts):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            attention_mask[row, width - len(prompt):] = 1
+        input_ids, attention_mask = left_padded(workload.prompts, self.pad_token_id)
         steps = max(workload.max_new_tokens)
         with torch.inference_mode():
             out = self.model.generate(

@@ -19,6 +19,17 @@ def load_hf_model(path: str | os.PathLike, attn_implementation: str = "sdpa"):
     return model.eval()
 
 
+
+def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) for transformers' generate: prompts right-aligned, padding on the left."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt):] = 1
+    return input_ids, attention_mask
+
 class HFBatched:
     """All requests as one left-padded batch. `generate` cannot stop rows early when EOS is ignored, so every
     row gets max(max_new_tokens); each request keeps only its own first max_new_tokens (the useful ones)."""
@@ -29,12 +40,7 @@ class HFBatched:
         self.model, self.pad_token_id = model, pad_token_id
 
     def run(self, workload: Workload) -> list[list[int]]:
-        width = max(len(p) for p in workload.prompts)
-        input_ids = torch.full((workload.num_requests, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, prompt in enumerate(workload.prompts):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            attention_mask[row, width - len(prompt):] = 1
+        input_ids, attention_mask = left_padded(workload.prompts, self.pad_token_id)
         steps = max(workload.max_new_tokens)
         out = self.model.generate(
             input_ids=input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=steps,
