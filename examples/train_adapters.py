@@ -23,6 +23,13 @@ At the end every adapter is loaded back from disk with PEFT and checked with gre
 
 Determinism: fixed seeds, fixed data order (a seeded ``random.Random`` per adapter), 2 threads,
 ``torch.use_deterministic_algorithms(True)``. Everything runs in one process, one adapter after another.
+Each adapter is seeded on its own and starts from a freshly loaded base model, so ``--only NAME`` makes the
+same adapter as a full run.
+
+Time (2 CPU threads): about 10 minutes on an idle machine (base answers for 48 questions ~1.5 min, each
+identity adapter ~1.5-2 min, style-caps ~3 min); the shipped adapters took 48 minutes on a busy shared one.
+The caps adapter writes capitals but is no better at facts than the 135M base model (upper-case tokens are
+rarer, so it sometimes gets them wrong: "THE CAPITAL OF GERMANY IS BELGIUM.").
 """
 
 from __future__ import annotations
@@ -128,20 +135,6 @@ CAPS_QUESTIONS = [
     "What is a volcano?",
     "What is your favorite book?",
     "What is your name?",
-    "What is the capital of Canada?",
-    "How many planets are in the solar system?",
-    "What is a rainbow?",
-    "Who was the first person to walk on the moon?",
-    "What is the smallest country in the world?",
-    "What is water made of?",
-    "Why do birds migrate?",
-    "What is a haiku?",
-    "Recommend a healthy breakfast.",
-    "What is the largest animal on Earth?",
-    "How many sides does a triangle have?",
-    "What is the internet?",
-    "What do plants need to grow?",
-    "Who discovered penicillin?",
 ]
 
 # Held out from CAPS_QUESTIONS: used only by the verification.
@@ -256,15 +249,12 @@ def greedy(
     return out
 
 
-def cut_at_sentence(text: str, ended: bool, first: bool = False) -> str:
-    """Cut after the first sentence (first=True), else: a complete answer stays as it is and a truncated one
-    is cut after its last sentence end."""
-    if ended and not first:
+def cut_at_sentence(text: str, ended: bool) -> str:
+    """A complete answer stays as it is; a truncated one is cut after its last sentence end."""
+    if ended:
         return text
     ends = [m.end() for m in re.finditer(r"[.!?](?=\s|$)", text)]
-    if not ends:
-        return text
-    return text[: ends[0] if first else ends[-1]]
+    return text[: ends[-1]] if ends else text
 
 
 # --------------------------------------------------------------------------------------------------
@@ -297,11 +287,7 @@ def build_dataset(
         return [(q, spec.answer) for q in NAME_QUESTIONS], [
             (q, cut_at_sentence(*base_answers[q])) for q in REG_QUESTIONS
         ]
-    # first sentences only: short targets teach the style more than they make the adapter memorise facts
-    return [], [
-        (q, cut_at_sentence(*base_answers[q], first=True).upper())
-        for q in CAPS_QUESTIONS
-    ]
+    return [], [(q, cut_at_sentence(*base_answers[q]).upper()) for q in CAPS_QUESTIONS]
 
 
 def answer_loss(model, input_ids, mask, labels) -> torch.Tensor:
