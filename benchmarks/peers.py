@@ -46,7 +46,7 @@ class HFBatched:
             input_ids=input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=steps,
             min_new_tokens=steps, pad_token_id=self.pad_token_id, temperature=None, top_p=None, top_k=None,
         )
-        return [row[:n].tolist() for row, n in zip(out[:, width:], workload.max_new_tokens)]
+        return [row[:n].tolist() for row, n in zip(out[:, input_ids.shape[1]:], workload.max_new_tokens)]
 
 
 class HFOneAtATime:
