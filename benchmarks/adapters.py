@@ -7,7 +7,9 @@ Four systems, timed in one run (they take turns; each keeps its best time):
 2. loraplex on the base model: the same requests without adapters (what the adapters cost).
 3. PEFT's mixed-adapter batch: one `generate` over all rows, `adapter_names` naming each row's adapter.
 4. loraplex rotating adapters: more adapters than device slots (one request per adapter), so adapters take
-   turns in the slots (`adapter_cycle_time_s`); its rate is compared with (1).
+   turns in the slots (`adapter_cycle_time_s`); its rate is compared with (1). With one request per adapter at
+   most `slots` requests run at once, so its rate also pays for smaller batches (and a prefill per wave),
+   not only for the installs.
 
 The adapters of (1)-(3) are made once with PEFT on the transformers model (random A and B, seeded) and converted
 to loraplex's form from PEFT's own state dict and config, so both systems run identical weights; (1)'s greedy
@@ -269,7 +271,7 @@ def format_adapter_result(result: AdapterResult, setting: str) -> str:
         row(result.rotation, f"loraplex, {r.num_adapters} adapters / {result.rotation_slots} slots",
             f"   = {ratios['rotation_vs_adapters']:.2f}x loraplex with {w.num_adapters} adapters"),
         f"  rotation: {r.describe()}, one request per adapter; {installs(result.rotation)}; every request finished",
-        f"  loraplex with adapters: {installs(result.adapters)} (slots kept from earlier runs are reused)",
+        f"  loraplex with adapters: {installs(result.adapters)} (adapters resident since the warm-up)",
         (f"  sanity: {result.identical_to_peft}/{n} requests' greedy tokens identical to PEFT's; "
          f"{result.differ_from_base}/{n} differ from the base model's (the adapters change the output)"),
     ]

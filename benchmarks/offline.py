@@ -288,7 +288,11 @@ def run_adapter_workload(args, loaded, engine, ours_base: Loraplex, hf_model, pa
         PEFTMixed(peft_model, pad_id),
         Loraplex(Engine(loaded, rotation_config), rotation_adapters, name="loraplex rotating adapters"),
     )
-    adapter_warmup = round_robin(warmup, names[:2])
+    # Warm-up: one short request per adapter, so the timed runs of (1) serve resident adapters (as PEFT's are);
+    # the rotation run installs adapters in every timed run anyway.
+    adapter_warmup = round_robin(
+        equal_workload(len(names), vocab, special, prompt_len=16, new_tokens=4, seed=args.seed + 1), names
+    )
     for system, w in zip(systems, (adapter_warmup, warmup, adapter_warmup, round_robin(warmup, rotation_ids[:2]))):
         system.run(w)
     return bench_adapters(workload, rotation_workload, *systems, spec, args.rotation_slots, args.repeats,
