@@ -82,7 +82,7 @@ class Engine:
         mc = loaded.config
         self.runner = ModelRunner(
             loaded.model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, config.block_size,
-            loaded.device, loaded.dtype, lora_tables=self.lora.tables, lora_stack=self.lora.stack,
+            loaded.device, loaded.dtype, lora=self.lora,
         )
         self._streams: dict[str, _Stream] = {}
         self._next_id = 0

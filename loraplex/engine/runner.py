@@ -7,7 +7,6 @@ per-request state every step, so a request that finishes simply stops being sche
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -22,7 +21,7 @@ from loraplex.layers.forward_context import (
     LoraSegment,
     forward_context,
 )
-from loraplex.lora.layers import Stack
+from loraplex.lora.layers import LoraSlots
 from loraplex.sampling import Sampler, token_logprobs
 
 # Steps whose adapter segments average at most this many rows use the stacked LoRA form. On a GPU
@@ -92,12 +91,10 @@ class ModelRunner:
     def __init__(
         self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
         block_size: int, device: torch.device, dtype: torch.dtype, backend: AttentionBackend | None = None,
-        lora_tables: Mapping[str, Sequence[Any]] | None = None,
-        lora_stack: Callable[[tuple[int, ...]], Stack] | None = None,
+        lora: LoraSlots | None = None,
     ) -> None:
         self.model = model
-        self.lora_tables = lora_tables or {}  # LoRA layer -> weights per slot (LoraSlots.tables)
-        self.lora_stack = lora_stack  # LoraSlots.stack: the step's adapters side by side
+        self.lora = lora  # the engine's device slots (None: no adapters)
         self.device, self.dtype = device, dtype
         self.block_size = block_size
         self.backend = backend or TorchAttentionBackend()
@@ -158,13 +155,13 @@ class ModelRunner:
         segments = lora_segments(slots, row_counts)
         if not segments:
             return None
-        lora = LoraRows(tokens=segments, logits=[], weights=self.lora_tables)
+        assert self.lora is not None, "a request has an adapter slot but the runner has no LoRA slots"
+        lora = LoraRows(tokens=segments, logits=[], weights=self.lora.tables)
         num_rows = sum(row_counts)
         rows_per_segment = STACKED_ROWS_PER_SEGMENT.get(self.device.type, 8)
-        if self.lora_stack is not None and len(segments) > 1 and num_rows <= rows_per_segment * len(segments):
-            self._stack = self.lora_stack(tuple(sorted({s.slot for s in segments})))
-            lora.stacked = self._stack.layers
-            lora.masks["tokens"] = self._stack.mask(segments, num_rows, self.device, self.dtype)
+        if len(segments) > 1 and num_rows <= rows_per_segment * len(segments):
+            lora.stack = self.lora.stack(tuple(sorted({s.slot for s in segments})))
+            lora.masks["tokens"] = lora.stack.mask(segments, num_rows, self.device, self.dtype)
         return lora
 
     def _set_logits_rows(self, lora: LoraRows | None, slots: list[int | None], row_counts: list[int]) -> None:
@@ -172,8 +169,8 @@ class ModelRunner:
         if lora is None:
             return
         lora.logits = lora_segments(slots, row_counts)
-        if lora.stacked is not None:
-            lora.masks["logits"] = self._stack.mask(lora.logits, sum(row_counts), self.device, self.dtype)
+        if lora.stack is not None:
+            lora.masks["logits"] = lora.stack.mask(lora.logits, sum(row_counts), self.device, self.dtype)
 
     def _prompt_logprobs(
         self, item: ScheduledRequest, hidden: torch.Tensor, lora: LoraRows | None

@@ -66,9 +66,10 @@ class LoraRows:
     tokens: list[LoraSegment]
     logits: list[LoraSegment]
     weights: Mapping[str, Sequence[Any]]  # LoRA layer name -> the weights in each slot (None: no delta)
-    # For steps of many short segments: per layer (A stack, B stack) of the step's adapters, and per
-    # row kind a [rows, stack width] 0/1 mask of the columns each row uses. None: use the segments.
-    stacked: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    # For steps of many short segments: the step's adapters side by side (a lora `Stack`: per layer
+    # its A and B stacks, only for layers some adapter targets), and per row kind a [rows, stack width]
+    # 0/1 mask of the columns each row uses. None: use the segments.
+    stack: Any = None
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def segments(self, kind: str) -> list[LoraSegment]:

@@ -46,9 +46,11 @@ class LoraLinear(nn.Module):
         rows = current_lora_rows()
         if rows is None:
             return out
-        if rows.stacked is not None:
-            a_stack, b_stack = rows.stacked[self.name]
-            return add_lora_stacked(out, x, rows.masks[self.row_kind], a_stack, b_stack)
+        if rows.stack is not None:
+            stacked = rows.stack.layers.get(self.name)
+            if stacked is None:  # no adapter of this step targets this layer
+                return out
+            return add_lora_stacked(out, x, rows.masks[self.row_kind], *stacked)
         return add_lora(out, x, rows.segments(self.row_kind), rows.weights[self.name])
 
 
@@ -104,6 +106,8 @@ class LoraSlots:
             start += width
         layers = {}
         for name, table in self.tables.items():
+            if all(table[slot] is None for slot in slots):
+                continue  # no delta here: skipping it beats multiplying through zeros every step
             layer = self.layers[name]
             a_stack = torch.zeros(start, layer.in_features, device=self.device, dtype=self.dtype)
             b_stack = torch.zeros(layer.out_features, start, device=self.device, dtype=self.dtype)
@@ -121,7 +125,8 @@ class LoraSlots:
 
 @dataclass
 class Stack:
-    """Several slots' adapters side by side: slot -> (first column, width), and per layer (A, B)."""
+    """Several slots' adapters side by side: slot -> (first column, width), and per layer (A, B) for the
+    layers at least one of them targets."""
 
     offsets: dict[int, tuple[int, int]]
     width: int

@@ -114,14 +114,11 @@ class AdapterStore:
 
     def load(self, adapter_id: str, source: str | None = None) -> LoraAdapter:
         """The adapter, from the cache or loaded now (blocking). Raises AdapterNotFound / AdapterInvalid."""
-        key = self.key(adapter_id, source)
-        return self._future(key, lambda k: self._read(k, adapter_id, source), self._listed(source)).result()
+        return self._adapter_future(adapter_id, source).result()
 
     async def get(self, adapter_id: str, source: str | None = None) -> LoraAdapter:
         """As `load`, without blocking the event loop."""
-        key = self.key(adapter_id, source)
-        future = self._future(key, lambda k: self._read(k, adapter_id, source), self._listed(source))
-        return await asyncio.wrap_future(future)
+        return await asyncio.wrap_future(self._adapter_future(adapter_id, source))
 
     async def get_merged(self, spec: MergeSpec, source: str | None = None) -> LoraAdapter:
         """The weighted merge of `spec.ids` (each loaded as by `get`), cached like any adapter."""
@@ -129,6 +126,10 @@ class AdapterStore:
         parts = [await self.get(adapter_id, source) for adapter_id in spec.ids]
         key = spec.key(self.source_of(source))
         return await asyncio.wrap_future(self._future(key, lambda k: _merge(k, parts, spec), listed=False))
+
+    def _adapter_future(self, adapter_id: str, source: str | None) -> Future:
+        key = self.key(adapter_id, source)
+        return self._future(key, lambda k: self._read(k, adapter_id, source), self._listed(source))
 
     def _listed(self, source: str | None) -> bool:
         """Listed adapters are those a client can name by their key alone (the default source's)."""
