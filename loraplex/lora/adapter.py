@@ -20,23 +20,16 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from loraplex.lora.errors import AdapterError, AdapterInvalid, AdapterNotFound
+from loraplex.lora.patterns import MatchBudget, UserPattern
+
+__all__ = ["AdapterError", "AdapterInvalid", "AdapterNotFound", "LoraAdapter", "LoraConfig", "LoraWeights"]
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _TENSOR_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<part>A|B)\.weight$")
 _BASE_COPY_KEY = re.compile(r"^(?P<module>.+)\.base_layer\.weight$")
-
-
-class AdapterError(Exception):
-    """An adapter could not be served; the message says which and why."""
-
-
-class AdapterNotFound(AdapterError):
-    """No adapter by that name in the source asked for."""
-
-
-class AdapterInvalid(AdapterError):
-    """The adapter was found but cannot be served (unsupported option, bad tensors, ...)."""
 
 
 # Options PEFT offers that change what the adapter computes and that we do not serve:
@@ -67,9 +60,26 @@ class LoraConfig:
     layers_pattern: tuple[str, ...] = ()
     exclude_modules: tuple[str, ...] | str = ()
 
+    def __post_init__(self) -> None:
+        # Tenant-written regexes, compiled once; all of one config's backtracking matches share a budget.
+        budget = MatchBudget()
+
+        def compile_(source: str, name: str) -> UserPattern:
+            return UserPattern(source, name, budget)
+
+        patterns = {
+            "targets": compile_(self.target_modules, "target_modules") if isinstance(self.target_modules, str) else None,
+            "exclude": compile_(self.exclude_modules, "exclude_modules") if isinstance(self.exclude_modules, str) else None,
+            "rank": [(k, compile_(rf"(.*\.)?({k})$", f"rank_pattern[{k!r}]")) for k in self.rank_pattern],
+            "alpha": [(k, compile_(rf"(.*\.)?({k})$", f"alpha_pattern[{k!r}]")) for k in self.alpha_pattern],
+            "layers": [compile_(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", "layers_pattern") for p in self.layers_pattern],
+        }
+        object.__setattr__(self, "_patterns", patterns)
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], max_rank: int) -> "LoraConfig":
-        """Read an adapter_config.json; refuse what we do not serve or what exceeds `max_rank`."""
+        """Read an adapter_config.json; refuse what we do not serve, what exceeds `max_rank`, and
+        fields of the wrong type or out of bounds (naming the field)."""
         peft_type = str(raw.get("peft_type", "LORA")).upper().removeprefix("PEFTTYPE.")  # str(PeftType.LORA)
         if peft_type != "LORA":
             raise AdapterInvalid(f"peft_type {raw.get('peft_type')!r} is not served; only LORA adapters are")
@@ -80,26 +90,32 @@ class LoraConfig:
         if raw.get("bias", "none") != "none":
             raise AdapterInvalid(f"bias={raw.get('bias')!r} is not served; only bias='none' is")
         r = _positive_int(raw.get("r", 8), "r")
-        rank_pattern = {str(k): _positive_int(v, f"rank_pattern[{k!r}]") for k, v in (raw.get("rank_pattern") or {}).items()}
-        alpha_pattern = {str(k): float(v) for k, v in (raw.get("alpha_pattern") or {}).items()}
+        rank_pattern = {k: _positive_int(v, f"rank_pattern[{k!r}]") for k, v in _mapping(raw, "rank_pattern").items()}
+        alpha_pattern = {k: _alpha(v, f"alpha_pattern[{k!r}]") for k, v in _mapping(raw, "alpha_pattern").items()}
         for name, rank in [("r", r), *((f"rank_pattern[{k!r}]", v) for k, v in rank_pattern.items())]:
             if rank > max_rank:
                 raise AdapterInvalid(f"{name} = {rank} is above the maximum LoRA rank {max_rank} (--max-lora-rank)")
-        targets = raw.get("target_modules") or ()
         layers = raw.get("layers_to_transform")
-        layers_pattern = raw.get("layers_pattern") or ()
-        exclude = raw.get("exclude_modules") or ()
-        return cls(
+        if layers is not None:
+            layers = _int_list(layers, "layers_to_transform")
+        use_rslora = raw.get("use_rslora", False)
+        if not isinstance(use_rslora, bool):
+            raise AdapterInvalid(f"use_rslora must be true or false; got {use_rslora!r}")
+        config = cls(
             r=r,
-            lora_alpha=float(raw.get("lora_alpha", 8)),
-            use_rslora=bool(raw.get("use_rslora", False)),
-            target_modules=targets if isinstance(targets, str) else tuple(targets),
+            lora_alpha=_alpha(raw.get("lora_alpha", 8), "lora_alpha"),
+            use_rslora=use_rslora,
+            target_modules=_names_or_regex(raw, "target_modules"),
             rank_pattern=rank_pattern,
             alpha_pattern=alpha_pattern,
-            layers_to_transform=None if layers is None else ((layers,) if isinstance(layers, int) else tuple(layers)),
-            layers_pattern=(layers_pattern,) if isinstance(layers_pattern, str) else tuple(layers_pattern),
-            exclude_modules=exclude if isinstance(exclude, str) else tuple(exclude),
+            layers_to_transform=layers,
+            layers_pattern=_names(raw, "layers_pattern"),
+            exclude_modules=_names_or_regex(raw, "exclude_modules"),
         )
+        smallest_rank = min([r, *rank_pattern.values()])
+        for alpha, name in [(config.lora_alpha, "lora_alpha"), *((v, f"alpha_pattern[{k!r}]") for k, v in alpha_pattern.items())]:
+            _check_scale(config._scale_of(abs(alpha), smallest_rank), name)  # the largest scale it can give
+        return config
 
     # ---- as PEFT applies it ----------------------------------------------------------------------
 
@@ -107,29 +123,62 @@ class LoraConfig:
         """Whether PEFT would put a LoRA on `module` (its name in the base model)."""
         if self._excluded(module):
             return False
-        if isinstance(self.target_modules, str):  # a regex: matched whole, layers_to_transform not applied
-            return re.fullmatch(self.target_modules, module) is not None
+        if self._patterns["targets"] is not None:  # a regex: matched whole, layers_to_transform not applied
+            return self._patterns["targets"].fullmatch(module)
         if module in self.target_modules:
             return True
         if not any(module.endswith(f".{t}") for t in self.target_modules):
             return False
         if not self.layers_to_transform:
             return True
-        index = _layer_index(module, self.layers_pattern)
+        index = self._layer_index(module)
         return index is not None and index in self.layers_to_transform
 
     def rank(self, module: str) -> int:
-        return self.rank_pattern.get(_pattern_key(self.rank_pattern, module), self.r)
+        return self.rank_pattern.get(self._pattern_key("rank", module), self.r)
 
     def scale(self, module: str) -> float:
-        alpha = self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module), self.lora_alpha)
-        rank = self.rank(module)
+        alpha = self.alpha_pattern.get(self._pattern_key("alpha", module), self.lora_alpha)
+        return self._scale_of(alpha, self.rank(module))
+
+    def _scale_of(self, alpha: float, rank: int) -> float:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
     def _excluded(self, module: str) -> bool:
-        if isinstance(self.exclude_modules, str):
-            return re.fullmatch(self.exclude_modules, module) is not None
+        if self._patterns["exclude"] is not None:
+            return self._patterns["exclude"].fullmatch(module)
         return module in self.exclude_modules or any(module.endswith(f".{e}") for e in self.exclude_modules)
+
+    def _pattern_key(self, kind: str, module: str) -> str:
+        """The first pattern that matches the end of `module` (after a dot), as PEFT picks it."""
+        for key, pattern in self._patterns[kind]:
+            if pattern.match(module):
+                return key
+        return module
+
+    def _layer_index(self, module: str) -> int | None:
+        """The first numbered segment of a module name (the layer index), as PEFT finds it."""
+        if not self.layers_pattern:
+            match = _DEFAULT_LAYER_INDEX.match(module)
+        else:
+            match = None
+            for pattern in self._patterns["layers"]:
+                match = pattern.match(module)
+                if match is not None:
+                    break
+        return int(match.group("idx")) if match else None
+
+
+# Bounds on what an adapter may hold, checked at load (and on merges). Trained LoRA factors are
+# far below 1 in magnitude and scales (alpha / r) are around 0.5-4; values past these bounds are
+# corruption or an attack. Every value must also be finite. Anything that still overflows in the
+# arithmetic (e.g. in bfloat16) stays in the adapter's own rows: see `kernels.py`.
+MAX_LORA_WEIGHT = 1e3  # largest |entry| of lora_A / lora_B
+MAX_LORA_SCALE = 1e3  # largest |alpha / r| (or |alpha / sqrt(r)| with rsLoRA)
+
+MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
+
+_DEFAULT_LAYER_INDEX = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -138,25 +187,63 @@ def _positive_int(value: Any, name: str) -> int:
     return value
 
 
-def _pattern_key(patterns: Mapping[str, Any], module: str) -> str:
-    """The first pattern that matches the end of `module` (after a dot), as PEFT picks it."""
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module):
-            return key
-    return module
+def _alpha(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AdapterInvalid(f"{name} must be a number; got {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:  # an integer too large for a float
+        raise AdapterInvalid(f"{name} = {value} is out of bounds") from None
+    if not math.isfinite(value):
+        raise AdapterInvalid(f"{name} must be finite; got {value!r}")
+    return value
 
 
-def _layer_index(module: str, layers_pattern: tuple[str, ...]) -> int | None:
-    """The first numbered segment of a module name (the layer index), as PEFT finds it."""
-    if not layers_pattern:
-        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
-    else:
-        match = None
-        for pattern in layers_pattern:
-            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
-            if match is not None:
-                break
-    return int(match.group("idx")) if match else None
+def _check_scale(scale: float, name: str) -> None:
+    if not abs(scale) <= MAX_LORA_SCALE:
+        raise AdapterInvalid(f"{name}: the LoRA scale alpha / r = {scale:g} is beyond the bound {MAX_LORA_SCALE:g}")
+
+
+def _mapping(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
+    value = raw.get(name) or {}
+    if not isinstance(value, dict):
+        raise AdapterInvalid(f"{name} must be an object (pattern -> value); got {value!r}")
+    return value
+
+
+def _names(raw: Mapping[str, Any], name: str) -> tuple[str, ...]:
+    value = raw.get(name) or ()
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise AdapterInvalid(f"{name} must be a string or a list of strings; got {value!r}")
+    return tuple(value)
+
+
+def _names_or_regex(raw: Mapping[str, Any], name: str) -> tuple[str, ...] | str:
+    """A string is a regex (PEFT's rule); a list names modules."""
+    value = raw.get(name) or ()
+    return value if isinstance(value, str) else _names(raw, name)
+
+
+def _int_list(value: Any, name: str) -> tuple[int, ...]:
+    values = [value] if isinstance(value, int) else value
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise AdapterInvalid(f"{name} must be an integer or a list of integers; got {value!r}")
+    return tuple(values)
+
+
+def check_weights(name: str, weights: "LoraWeights") -> None:
+    """Refuse non-finite or out-of-bound LoRA factors and scales; `name` is the module's tensor prefix."""
+    for part, tensor in (("lora_A", weights.a), ("lora_B", weights.b)):
+        largest = tensor.detach().abs().amax().item() if tensor.numel() else 0.0
+        if not math.isfinite(largest):
+            raise AdapterInvalid(f"tensor {name}.{part}.weight holds NaN or infinite values")
+        if largest > MAX_LORA_WEIGHT:
+            raise AdapterInvalid(
+                f"tensor {name}.{part}.weight holds a value of magnitude {largest:g}, beyond the bound {MAX_LORA_WEIGHT:g}"
+            )
+    _check_scale(weights.scale, name)
 
 
 @dataclass
@@ -247,7 +334,9 @@ def adapter_from_tensors(
                 )
             if not tensor.is_floating_point():
                 raise AdapterInvalid(f"tensor {_PREFIX}{module}.lora_{part}.weight has dtype {tensor.dtype}; expected floats")
-        modules[module] = LoraWeights(a.float().contiguous(), b.float().contiguous(), config.scale(module))
+        weights = LoraWeights(a.float().contiguous(), b.float().contiguous(), config.scale(module))
+        check_weights(_PREFIX + module, weights)
+        modules[module] = weights
     return LoraAdapter(adapter_id, modules, config)
 
 
@@ -275,8 +364,12 @@ def load_adapter_dir(
                 f"adapter {adapter_id!r} has only adapter_model.bin (a pickle); only {ADAPTER_WEIGHTS} is read"
             )
         raise AdapterNotFound(f"adapter {adapter_id!r}: no {ADAPTER_WEIGHTS} in {path}")
+    if config_path.stat().st_size > MAX_CONFIG_BYTES:
+        raise AdapterInvalid(f"adapter {adapter_id!r}: {ADAPTER_CONFIG} is larger than {MAX_CONFIG_BYTES} bytes")
     try:
         raw = json.loads(config_path.read_text())
+    except RecursionError:
+        raise AdapterInvalid(f"adapter {adapter_id!r}: {ADAPTER_CONFIG} is nested too deeply") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise AdapterInvalid(f"adapter {adapter_id!r}: {ADAPTER_CONFIG} is not valid JSON ({exc})") from exc
     if not isinstance(raw, dict):

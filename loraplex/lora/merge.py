@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from loraplex.lora.adapter import AdapterInvalid, LoraAdapter, LoraConfig, LoraWeights
+from loraplex.lora.adapter import AdapterInvalid, LoraAdapter, LoraConfig, LoraWeights, check_weights
 
 MERGE_STRATEGIES = ("linear", "ties", "dare_linear", "dare_ties")
 MAJORITY_SIGN_METHODS = ("total", "frequency")
@@ -76,6 +76,7 @@ def merge_adapters(
             _check_module_ranks(module, [adapter for adapter, _ in present])
             a, b = _merge_module(module, present, strategy, density, majority_sign_method, generator)
             modules[module] = LoraWeights(a, b, config.scale(module))
+            check_weights(f"the merge's {module}", modules[module])  # weights can push finite inputs past the bounds
     return LoraAdapter(adapter_id, modules, config)
 
 
