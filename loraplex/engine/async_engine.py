@@ -118,7 +118,8 @@ class AsyncEngine:
                 self._deliver(request.request_id, RuntimeError(f"generation failed: {error}"))
             return
         for output in outputs:
-            self._deliver(output.request_id, output)
+            failed = output.error is not None  # this request alone failed; the others go on
+            self._deliver(output.request_id, RuntimeError(f"generation failed: {output.error}") if failed else output)
 
     def _deliver(self, request_id: str, item: object) -> None:
         subscriber = self._subscribers.get(request_id)

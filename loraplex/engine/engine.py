@@ -5,6 +5,7 @@ Synchronous and single-threaded; `AsyncEngine` drives it from a background threa
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -17,7 +18,7 @@ from loraplex.engine.kv_cache import blocks_for
 from loraplex.engine.loading import LoadedModel, load_model
 from loraplex.engine.request import FinishReason, Request
 from loraplex.engine.runner import ModelRunner, StepResult
-from loraplex.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from loraplex.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.layers import LoraSlots
 from loraplex.params import SamplingParams, TokenInfo
@@ -25,6 +26,8 @@ from loraplex.tokenizer import IncrementalDetokenizer, find_stop
 
 
 CPU_KV_CACHE_CAP_BYTES = 2 << 30
+
+log = logging.getLogger(__name__)
 
 
 class RequestRefused(ValueError):
@@ -46,6 +49,7 @@ class RequestOutput:
     num_generated_tokens: int = 0
     seed: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # set (with finished=True) when the request failed; the text says why
 
 
 @dataclass
@@ -200,14 +204,40 @@ class Engine:
         for item in plan.scheduled:  # queue time ends when a request's first step begins
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = started
-        results = self.runner.execute(plan.scheduled)
+        try:
+            results = self.runner.execute(plan.scheduled, plan.fresh_blocks)
+        except Exception as error:  # noqa: BLE001 — contained below: only the failing adapter's requests fail
+            results = self._execute_isolated(plan.scheduled, error)
         return self._update(plan, results)
+
+    def _execute_isolated(self, scheduled: list[ScheduledRequest], error: Exception) -> list[StepResult]:
+        """The step failed: run each adapter's requests (and the base model's) on their own, so a
+        failure inside one adapter's computation fails only the requests on that adapter."""
+        by_adapter: dict[str | None, list[int]] = {}
+        for i, item in enumerate(scheduled):
+            by_adapter.setdefault(item.request.adapter_id, []).append(i)
+        results: list[StepResult] = [StepResult()] * len(scheduled)
+        for adapter_id, indices in by_adapter.items():
+            try:
+                if len(by_adapter) == 1:
+                    raise error  # nothing to separate: the whole step was this adapter's
+                group = self.runner.execute([scheduled[i] for i in indices])
+            except Exception as group_error:  # noqa: BLE001
+                where = "the base model" if adapter_id is None else f"adapter {adapter_id!r}"
+                log.error("step failed for %s: %r", where, group_error)
+                group = [StepResult(error=f"{where} failed: {group_error}") for _ in indices]
+            for i, result in zip(indices, group):
+                results[i] = result
+        return results
 
     def _update(self, plan: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
         for item, result in zip(plan.scheduled, results):
             request = item.request
+            if result.error is not None:
+                outputs.append(self._fail(request, result.error))
+                continue
             if result.prompt_logprobs:
                 request.prompt_logprobs = (request.prompt_logprobs or []) + result.prompt_logprobs
             request.num_computed_tokens += item.num_new_tokens
@@ -237,6 +267,13 @@ class Engine:
         self._drop_adapter(request.adapter_id)
         del self._streams[request.request_id]
         return self._final_output(request, token, stream, now)
+
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        """End a request whose computation failed; its KV blocks and adapter use are released."""
+        self.scheduler.finish(request, FinishReason.ABORTED)
+        self._drop_adapter(request.adapter_id)
+        del self._streams[request.request_id]
+        return RequestOutput(request.request_id, None, finished=True, seed=request.seed, error=message)
 
     def _finish_reason(self, request: Request, token_id: int, piece: str, stream: _Stream) -> FinishReason | None:
         params = request.params

@@ -19,6 +19,7 @@ class BlockAllocator:
         # A stack: recently freed blocks are reused first (warm in cache).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._in_use: set[int] = set()
+        self._fresh: list[int] = []  # handed out since the last take_fresh(): their contents are stale
 
     @property
     def num_free(self) -> int:
@@ -40,7 +41,14 @@ class BlockAllocator:
             raise MemoryError(f"asked for {n} KV blocks, {len(self._free)} free")
         ids = [self._free.pop() for _ in range(n)]
         self._in_use.update(ids)
+        self._fresh.extend(ids)
         return ids
+
+    def take_fresh(self) -> list[int]:
+        """Blocks allocated since the last call: the runner zeroes them before the step runs, so no
+        request ever reads what an earlier owner left (a diverged request's NaN included)."""
+        fresh, self._fresh = self._fresh, []
+        return fresh
 
     def free(self, ids: list[int]) -> None:
         for block in ids:

@@ -7,6 +7,7 @@ per-request state every step, so a request that finishes simply stops being sche
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -39,6 +40,7 @@ class StepResult:
     top_tokens: list[tuple[int, float]] = field(default_factory=list)
     # Log-probabilities of the prompt tokens this step covered (first prompt token: None).
     prompt_logprobs: list[float | None] = field(default_factory=list)
+    error: str | None = None  # set when this request's computation failed; the request fails alone
 
 
 @dataclass
@@ -102,10 +104,16 @@ class ModelRunner:
             num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device
         )
         self.sampler = Sampler()
+        self.stacked_rows_per_segment = STACKED_ROWS_PER_SEGMENT.get(device.type, 8)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> list[StepResult]:
-        """Run one step; one result per scheduled request, in the order given."""
+    def execute(self, scheduled: list[ScheduledRequest], fresh_blocks: Sequence[int] = ()) -> list[StepResult]:
+        """Run one step; one result per scheduled request, in the order given.
+
+        `fresh_blocks` are KV blocks given to a new owner since the last step: they are zeroed first,
+        so nothing a finished request left there (NaN included) can reach the new owner's attention.
+        """
+        self.backend.clear_blocks(self.kv_caches, fresh_blocks)
         # Sequences of one adapter side by side: each adapter's rows form one segment (see LoraRows).
         order = sorted(range(len(scheduled)), key=lambda i: _slot_order(scheduled[i]))
         results = self._execute([scheduled[i] for i in order])
@@ -128,6 +136,7 @@ class ModelRunner:
                 rows = torch.tensor([starts[i + 1] - 1 for i in sample_seqs], device=self.device)
                 self._set_logits_rows(lora, [slots[i] for i in sample_seqs], [1] * len(sample_seqs))
                 logits = self.model.compute_logits(hidden[rows])
+                logits, sample_seqs = self._drop_non_finite(logits, sample_seqs, results)
                 requests = [scheduled[i].request for i in sample_seqs]
                 out = self.sampler(
                     logits,
@@ -146,6 +155,20 @@ class ModelRunner:
                     results[i].prompt_logprobs = self._prompt_logprobs(item, hidden[starts[i] : starts[i + 1]], lora)
         return results
 
+    @staticmethod
+    def _drop_non_finite(
+        logits: torch.Tensor, seqs: list[int], results: list[StepResult]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Fail the sequences whose logits hold NaN or inf (a diverging adapter); sample the rest."""
+        finite = torch.isfinite(logits).all(dim=1).tolist()
+        if all(finite):
+            return logits, seqs
+        for ok, i in zip(finite, seqs):
+            if not ok:
+                results[i].error = "the model produced non-finite logits (NaN or inf) for this request"
+        keep = [j for j, ok in enumerate(finite) if ok]
+        return logits[keep], [seqs[j] for j in keep]
+
     def _lora_rows(self, slots: list[int | None], row_counts: list[int]) -> LoraRows | None:
         """Which rows use which adapter this step (None: no row does).
 
@@ -157,20 +180,18 @@ class ModelRunner:
             return None
         assert self.lora is not None, "a request has an adapter slot but the runner has no LoRA slots"
         lora = LoraRows(tokens=segments, logits=[], weights=self.lora.tables)
-        num_rows = sum(row_counts)
-        rows_per_segment = STACKED_ROWS_PER_SEGMENT.get(self.device.type, 8)
-        if len(segments) > 1 and num_rows <= rows_per_segment * len(segments):
+        if len(segments) > 1 and sum(row_counts) <= self.stacked_rows_per_segment * len(segments):
             lora.stack = self.lora.stack(tuple(sorted({s.slot for s in segments})))
-            lora.masks["tokens"] = lora.stack.mask(segments, num_rows, self.device, self.dtype)
+            lora.groups["tokens"] = lora.stack.groups(segments, self.device)
         return lora
 
     def _set_logits_rows(self, lora: LoraRows | None, slots: list[int | None], row_counts: list[int]) -> None:
         """Before each compute_logits call: which of the rows handed to it use which adapter."""
         if lora is None:
             return
+        # Always as segments: the logits rows are few and the head is wide, so the stacked form's
+        # padded [groups, rows, vocab] product would cost more than one small matmul pair per adapter.
         lora.logits = lora_segments(slots, row_counts)
-        if lora.stack is not None:
-            lora.masks["logits"] = lora.stack.mask(lora.logits, sum(row_counts), self.device, self.dtype)
 
     def _prompt_logprobs(
         self, item: ScheduledRequest, hidden: torch.Tensor, lora: LoraRows | None
@@ -214,7 +235,9 @@ class ModelRunner:
             (decode_seqs if item.num_new_tokens == 1 else prefill_seqs).append(s)
 
         max_blocks = max(len(item.request.block_ids) for item in scheduled)
-        tables = [item.request.block_ids + [0] * (max_blocks - len(item.request.block_ids)) for item in scheduled]
+        # Padded with each sequence's own last block: a padded key position then never reads another
+        # request's block (only this sequence's own, or zeros; see `execute`).
+        tables = [ids + ids[-1:] * (max_blocks - len(ids)) for ids in (item.request.block_ids for item in scheduled)]
         dev = self.device
 
         def long(values: list[int]) -> torch.Tensor:

@@ -53,6 +53,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # (slot, adapter id): adapters that take a slot this step; the engine installs them before running.
     installs: list[tuple[int, str]] = field(default_factory=list)
+    # KV blocks newly allocated this step, to be zeroed before the step runs.
+    fresh_blocks: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -130,9 +132,9 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, n))
             index += 1
 
-        if out.preempted:
-            return out
-        self._admit(out, budget)
+        if not out.preempted:
+            self._admit(out, budget)
+        out.fresh_blocks = self.allocator.take_fresh()
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:

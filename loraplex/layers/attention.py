@@ -7,7 +7,7 @@ PyTorch backend here runs on CPU and CUDA; GPU kernels plug in as other backends
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,10 @@ class AttentionBackend(Protocol):
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
         dtype: torch.dtype, device: torch.device,
     ) -> list[object]: ...
+
+    def clear_blocks(self, kv_caches: list[object], block_ids: Sequence[int]) -> None:
+        """Zero these blocks in every layer's cache (they change owner: nothing may carry over)."""
+        ...
 
     def forward(
         self, layer: "PagedAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -62,6 +66,14 @@ class TorchAttentionBackend:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)
         ]
+
+    def clear_blocks(self, kv_caches, block_ids):
+        if not block_ids:
+            return
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_caches[0][0].device)
+        for key_cache, value_cache in kv_caches:
+            key_cache.index_fill_(0, index, 0)
+            value_cache.index_fill_(0, index, 0)
 
     def forward(self, layer, q, k, v, kv_cache, md):
         key_cache, value_cache = kv_cache

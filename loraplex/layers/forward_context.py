@@ -55,6 +55,21 @@ class LoraSegment:
 
 
 @dataclass
+class LoraGroups:
+    """Rows `start:end` (each using an adapter) laid out for the stacked LoRA form: one group per
+    adapter of the stack, `rows_per_group` rows each. `gather` [groups * rows_per_group] names the row
+    that fills each group position (positions no row of the group fills take row `start` and are never
+    read back); `scatter` [end - start] names, for each row, its position in its own group."""
+
+    start: int
+    end: int
+    num_groups: int
+    rows_per_group: int
+    gather: torch.Tensor
+    scatter: torch.Tensor
+
+
+@dataclass
 class LoraRows:
     """Which rows use which adapter, per kind of row a LoRA-wrapped linear sees.
 
@@ -66,11 +81,11 @@ class LoraRows:
     tokens: list[LoraSegment]
     logits: list[LoraSegment]
     weights: Mapping[str, Sequence[Any]]  # LoRA layer name -> the weights in each slot (None: no delta)
-    # For steps of many short segments: the step's adapters side by side (a lora `Stack`: per layer
-    # its A and B stacks, only for layers some adapter targets), and per row kind a [rows, stack width]
-    # 0/1 mask of the columns each row uses. None: use the segments.
+    # For steps of many short segments: the step's adapters stacked (a lora `Stack`: per layer its A
+    # and B stacks, only for layers some adapter targets), and per row kind how rows map onto the
+    # stack's groups. None: use the segments.
     stack: Any = None
-    masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    groups: dict[str, LoraGroups] = field(default_factory=dict)
 
     def segments(self, kind: str) -> list[LoraSegment]:
         return self.tokens if kind == "tokens" else self.logits

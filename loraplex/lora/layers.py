@@ -10,11 +10,12 @@ model code never changes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
 
-from loraplex.layers.forward_context import current_lora_rows
+from loraplex.layers.forward_context import LoraGroups, LoraSegment, current_lora_rows
 from loraplex.lora.adapter import BaseShapes, LoraAdapter, LoraWeights
 from loraplex.lora.kernels import add_lora, add_lora_stacked
 
@@ -46,11 +47,12 @@ class LoraLinear(nn.Module):
         rows = current_lora_rows()
         if rows is None:
             return out
-        if rows.stack is not None:
+        groups = rows.groups.get(self.row_kind) if rows.stack is not None else None
+        if groups is not None:
             stacked = rows.stack.layers.get(self.name)
             if stacked is None:  # no adapter of this step targets this layer
                 return out
-            return add_lora_stacked(out, x, rows.masks[self.row_kind], *stacked)
+            return add_lora_stacked(out, x, groups, *stacked)
         return add_lora(out, x, rows.segments(self.row_kind), rows.weights[self.name])
 
 
@@ -95,47 +97,59 @@ class LoraSlots:
         self._stack = None
 
     def stack(self, slots: tuple[int, ...]) -> "Stack":
-        """The adapters in `slots` stacked per layer, each given a block of columns as wide as its
-        largest rank (zero-padded where a module's rank is smaller or absent). Kept while unchanged."""
+        """The adapters in `slots` stacked per layer: A [G, R, in] and B [G, out, R] with the scale folded
+        into B and ranks zero-padded to the largest R among them (zeros where a slot's adapter does not
+        target the layer). Kept while unchanged."""
         if self._stack is not None and self._stack[0] == slots:
             return self._stack[1]
-        widths = [max((t[s].rank for t in self.tables.values() if t[s] is not None), default=0) for s in slots]
-        offsets, start = {}, 0
-        for slot, width in zip(slots, widths):
-            offsets[slot] = (start, width)
-            start += width
+        rank = max((t[s].rank for t in self.tables.values() for s in slots if t[s] is not None), default=0)
         layers = {}
         for name, table in self.tables.items():
             if all(table[slot] is None for slot in slots):
                 continue  # no delta here: skipping it beats multiplying through zeros every step
             layer = self.layers[name]
-            a_stack = torch.zeros(start, layer.in_features, device=self.device, dtype=self.dtype)
-            b_stack = torch.zeros(layer.out_features, start, device=self.device, dtype=self.dtype)
-            for slot in slots:
+            a_stack = torch.zeros(len(slots), rank, layer.in_features, device=self.device, dtype=self.dtype)
+            b_stack = torch.zeros(len(slots), layer.out_features, rank, device=self.device, dtype=self.dtype)
+            for group, slot in enumerate(slots):
                 weights = table[slot]
                 if weights is not None:
-                    first = offsets[slot][0]
-                    a_stack[first : first + weights.rank] = weights.a
-                    b_stack[:, first : first + weights.rank] = weights.b * weights.scale
+                    a_stack[group, : weights.rank] = weights.a
+                    b_stack[group, :, : weights.rank] = weights.b * weights.scale
             layers[name] = (a_stack, b_stack)
-        stack = Stack(offsets, start, layers)
+        stack = Stack({slot: group for group, slot in enumerate(slots)}, layers)
         self._stack = (slots, stack)
         return stack
 
 
 @dataclass
 class Stack:
-    """Several slots' adapters side by side: slot -> (first column, width), and per layer (A, B) for the
-    layers at least one of them targets."""
+    """Several slots' adapters stacked: slot -> its group, and per layer (A, B) for the layers at least
+    one of them targets."""
 
-    offsets: dict[int, tuple[int, int]]
-    width: int
+    group_of: dict[int, int]
     layers: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
-    def mask(self, segments, num_rows: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """[num_rows, width] with ones where a row's adapter has its columns."""
-        mask = torch.zeros(num_rows, self.width, dtype=dtype)
+    def groups(self, segments: Sequence[LoraSegment], device: torch.device) -> LoraGroups:
+        """How the rows of `segments` (contiguous, each of a slot in the stack) fill the stack's groups."""
+        assert segments, "no rows use an adapter"
+        start, end = segments[0].start, segments[-1].end
+        per_group = [0] * len(self.group_of)
         for segment in segments:
-            first, width = self.offsets[segment.slot]
-            mask[segment.start : segment.end, first : first + width] = 1
-        return mask.to(device)
+            per_group[self.group_of[segment.slot]] += segment.end - segment.start
+        rows_per_group = max(per_group)
+        # Positions no row fills (short or empty groups) compute on row `start`; nothing reads them back.
+        gather = [start] * (len(per_group) * rows_per_group)
+        scatter: list[int] = []
+        filled = [0] * len(per_group)
+        previous_end = start
+        for segment in segments:
+            assert segment.start == previous_end, "adapter rows must be contiguous (the runner sorts them)"
+            previous_end = segment.end
+            group = self.group_of[segment.slot]
+            for row in range(segment.start, segment.end):
+                position = group * rows_per_group + filled[group]
+                gather[position] = row
+                scatter.append(position)
+                filled[group] += 1
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        return LoraGroups(start, end, len(per_group), rows_per_group, as_tensor(gather), as_tensor(scatter))

@@ -170,7 +170,7 @@ class Probe:
         runner, engine = self.engine.runner, self.engine
         execute = runner.execute
 
-        def checked(scheduled):
+        def checked(scheduled, *args):
             self.steps += 1
             tokens: dict[int, int] = {}
             logits: dict[int, int] = {}
@@ -194,7 +194,7 @@ class Probe:
             self._expect_tokens, self._expect_logits = tokens, logits
             self._active = True
             try:
-                return execute(scheduled)
+                return execute(scheduled, *args)
             finally:
                 self._active = False
 

@@ -18,11 +18,11 @@ class FailOnce:
     def __init__(self, execute, nth: int) -> None:
         self.execute, self.nth, self.calls = execute, nth, 0
 
-    def __call__(self, scheduled):
+    def __call__(self, scheduled, *args):
         self.calls += 1
         if self.calls == self.nth:
             raise RuntimeError("injected device failure")
-        return self.execute(scheduled)
+        return self.execute(scheduled, *args)
 
 
 @pytest.fixture

@@ -335,11 +335,11 @@ def test_engine_failure_mid_stream_is_an_error_event_then_done(make_engine):
     engine = make_engine(max_batch_total_tokens=2048)
     execute, calls = engine.runner.execute, []
 
-    def fail_third(scheduled):  # prefill, one decode step, then the device "fails"
+    def fail_third(scheduled, *args):  # prefill, one decode step, then the device "fails"
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected device failure")
-        return execute(scheduled)
+        return execute(scheduled, *args)
 
     engine.runner.execute = fail_third
     async_engine = AsyncEngine(engine)
