@@ -4,7 +4,9 @@ Tiers: disk (a local adapter root, or the Hugging Face cache) -> this CPU cache 
 least recently used dropped first) -> device slots (`LoraSlots`, given out by the scheduler). Loads
 run on the store's own threads, never on the engine loop: a request whose adapter is loading waits
 for it; nothing else does. Concurrent requests for one adapter share one load. A failed load fails
-only the requests that asked for that adapter, and is not cached (fix the files and ask again).
+only the requests that asked for that adapter. A refusal (AdapterInvalid) is remembered for
+`refusal_ttl_s`, so a stream of requests for a bad adapter does not redo the work; after that (or for
+"not found") the next request tries again, so fixed files are picked up.
 
 Sources:
 - `local`: the id is a directory (absolute, or relative to an adapter root) that must resolve, after
@@ -21,6 +23,7 @@ import json
 import os
 import pathlib
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +44,8 @@ from loraplex.lora.adapter import (
 from loraplex.lora.merge import MAJORITY_SIGN_METHODS, MERGE_STRATEGIES, merge_adapters
 
 SOURCES = ("local", "hub")
+# How long a refused adapter (AdapterInvalid) is answered from memory before its files are read again.
+REFUSAL_TTL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,8 @@ class AdapterStore:
         max_cpu_adapters: int = 64,
         base_weight: BaseWeight | None = None,
         loader_threads: int = 2,
+        refusal_ttl_s: float = REFUSAL_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if default_source not in SOURCES:
             raise ValueError(f"unknown adapter source {default_source!r}; choose one of {', '.join(SOURCES)}")
@@ -82,6 +89,8 @@ class AdapterStore:
         self._loading: dict[str, Future] = {}
         self._names: dict[str, str] = {}  # key -> the id a client uses (for listings)
         self._pinned: set[str] = set()  # preloaded: never dropped from the cache
+        self._refused: dict[str, tuple[float, AdapterInvalid]] = {}  # key -> (until, the refusal)
+        self.refusal_ttl_s, self._clock = refusal_ttl_s, clock
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(loader_threads, thread_name_prefix="loraplex-adapters")
 
@@ -144,6 +153,12 @@ class AdapterStore:
                 return done
             if key in self._loading:
                 return self._loading[key]
+            refused = self._refused.get(key)
+            if refused is not None and self._clock() < refused[0]:
+                failed: Future = Future()
+                failed.set_exception(refused[1])
+                return failed
+            self._refused.pop(key, None)
             future = self._pool.submit(self._load_and_cache, key, read, listed)
             self._loading[key] = future
             return future
@@ -151,9 +166,11 @@ class AdapterStore:
     def _load_and_cache(self, key: str, read: Callable[[str], LoraAdapter], listed: bool) -> LoraAdapter:
         try:
             adapter = read(key)
-        except BaseException:
+        except BaseException as exc:
             with self._lock:
                 self._loading.pop(key, None)
+                if isinstance(exc, AdapterInvalid):
+                    self._refused[key] = (self._clock() + self.refusal_ttl_s, exc)
             raise
         with self._lock:  # one step from "loading" to "cached": a get in between would read it again
             self._loading.pop(key, None)

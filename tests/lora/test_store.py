@@ -1,5 +1,5 @@
 """AdapterStore: where adapters may come from (local roots, the HF cache), what is refused and how, and
-the CPU cache (LRU, pinned preloads, one shared load per adapter, failures not cached).
+the CPU cache (LRU, pinned preloads, one shared load per adapter, refusals remembered for a while).
 
 No model: a fake base of four small linears, and adapter directories written here, as PEFT writes them.
 """
@@ -70,7 +70,7 @@ def make_store(*roots, default_source: str = "local", **kw) -> AdapterStore:
 
 @pytest.fixture
 def store(root):
-    s = make_store(root)
+    s = make_store(root, refusal_ttl_s=0.0)  # tests rewrite files in place: no remembered refusals
     yield s
     s.close()
 
@@ -574,14 +574,22 @@ def test_a_get_right_as_a_load_finishes_does_not_read_again(root, loads):
         store.close()
 
 
-def test_failed_load_is_not_cached(store, root, loads):
-    path = write_adapter(root / "a", r=16)  # above max rank
-    assert "maximum LoRA rank" in refused(store, "a")
-    assert store.loaded_ids() == []
-    write_adapter(path, r=4)  # fixed in place
-    assert set(store.load("a").modules) == set(BASE)
-    assert loads.calls == ["a", "a"]
-    assert store.loaded_ids() == ["a"]
+def test_a_refusal_is_remembered_for_a_while_then_the_files_are_read_again(root, loads):
+    clock = [0.0]
+    store = make_store(root, refusal_ttl_s=10.0, clock=lambda: clock[0])
+    try:
+        path = write_adapter(root / "a", r=16)  # above max rank
+        assert "maximum LoRA rank" in refused(store, "a")
+        write_adapter(path, r=4)  # fixed in place
+        clock[0] = 9.9
+        assert "maximum LoRA rank" in refused(store, "a")  # still the remembered refusal: no second read
+        assert loads.calls == ["a"] and store.loaded_ids() == []
+        clock[0] = 10.0
+        assert set(store.load("a").modules) == set(BASE)
+        assert loads.calls == ["a", "a"]
+        assert store.loaded_ids() == ["a"]
+    finally:
+        store.close()
 
 
 def test_not_found_is_not_cached(store, root):
