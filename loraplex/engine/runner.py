@@ -25,10 +25,11 @@ from loraplex.layers.forward_context import (
 from loraplex.lora.layers import LoraSlots
 from loraplex.sampling import Sampler, token_logprobs
 
-# Steps whose adapter segments average at most this many rows use the stacked LoRA form. On a GPU
-# the stacked form's extra arithmetic is nearly free and each small matmul costs a launch (H200,
-# 8 rank-16 adapters: 2.6x faster than segments at 4 rows per segment); on a CPU the arithmetic counts.
-STACKED_ROWS_PER_SEGMENT = {"cuda": 64, "cpu": 8}
+# Steps whose adapter segments have at most this many rows each use the stacked LoRA form (each
+# adapter's rows padded to the longest segment, two batched matmuls per module). On a GPU each small
+# matmul of the segmented form costs a launch; on a CPU, a Python call and a small BLAS call.
+# `python -m benchmarks.lora_kernels` measures both forms.
+STACKED_ROWS_PER_SEGMENT = {"cuda": 64, "cpu": 16}
 
 
 @dataclass
@@ -180,7 +181,8 @@ class ModelRunner:
             return None
         assert self.lora is not None, "a request has an adapter slot but the runner has no LoRA slots"
         lora = LoraRows(tokens=segments, logits=[], weights=self.lora.tables)
-        if len(segments) > 1 and sum(row_counts) <= self.stacked_rows_per_segment * len(segments):
+        # Each adapter's group is padded to the longest: cap the longest, which bounds the padding.
+        if len(segments) > 1 and max(s.end - s.start for s in segments) <= self.stacked_rows_per_segment:
             lora.stack = self.lora.stack(tuple(sorted({s.slot for s in segments})))
             lora.groups["tokens"] = lora.stack.groups(segments, self.device)
         return lora

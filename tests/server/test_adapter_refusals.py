@@ -1,18 +1,24 @@
 """Adapters through HTTP on the real `loraplex serve`: a valid local adapter serves; broken ones, ones
 outside the adapter root and unknown ids are refused in each API's error shape (404 not found; 422 native
-/ 400 OpenAI invalid), naming the problem; and the server keeps serving while they are refused."""
+/ 400 OpenAI invalid), naming the problem; and the server keeps serving while they are refused.
+
+Hostile tenants' adapters (copies of the shipped name-nova with one tensor or config field changed: NaN,
+inf, huge values, a catastrophic regex) are refused the same way, quickly, and change no other request."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import pathlib
 import re
+import shutil
+import time
 
 import httpx
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from tests.helpers import live_server
 
@@ -40,6 +46,19 @@ def write_adapter(path: pathlib.Path, r: int = 8, config: dict | None = None, te
 
 
 WRONG_TENSOR = f"{PREFIX}.3.self_attn.v_proj.lora_B.weight"
+SHIPPED_ROOT = pathlib.Path(__file__).resolve().parents[2] / "examples" / "adapters"
+SHIPPED = ("name-nova", "name-orion", "name-lyra", "style-caps")
+POISONED_TENSOR = f"{PREFIX}.5.self_attn.k_proj.lora_B.weight"  # a tensor of name-nova
+POISONED_A = f"{PREFIX}.5.self_attn.k_proj.lora_A.weight"
+# Copies of name-nova with one tensor (name -> (tensor, value)) or config field changed.
+HOSTILE_TENSORS = {
+    "nan-b": (POISONED_TENSOR, math.nan), "inf-a": (POISONED_A, math.inf), "neg-inf-b": (POISONED_TENSOR, -math.inf),
+    "huge-b": (POISONED_TENSOR, 2e3),
+}
+HOSTILE_CONFIGS = {
+    "nan-alpha": {"lora_alpha": math.nan}, "huge-alpha": {"lora_alpha": 1e300}, "string-alpha": {"lora_alpha": "x"},
+    "regex": {"target_modules": "mode(.|.)*Z"}, "regex-lookahead": {"target_modules": "(?=m)mode(.|.)*Z"},
+}
 
 # adapter id -> (what the native error message must contain, ...); every one is invalid (422 / 400).
 INVALID = {
@@ -50,6 +69,15 @@ INVALID = {
     "dora": ("DoRA", "use_dora"),
     "escape": ("outside the adapter roots",),
     "../outside/good": ("outside the adapter roots",),
+    "nan-b": (POISONED_TENSOR, "NaN or infinite"),
+    "inf-a": (POISONED_A, "NaN or infinite"),
+    "neg-inf-b": (POISONED_TENSOR, "NaN or infinite"),
+    "huge-b": (POISONED_TENSOR, "beyond the bound 1000"),
+    "nan-alpha": ("lora_alpha must be finite",),
+    "huge-alpha": ("lora_alpha", "beyond the bound 1000"),
+    "string-alpha": ("lora_alpha must be a number",),
+    "regex": ("not in the config's target_modules",),
+    "regex-lookahead": ("target_modules: the regex", "took more than"),
 }
 NOT_FOUND = ("no-such-adapter", "team/missing")
 
@@ -76,7 +104,6 @@ def adapters(tmp_path_factory) -> pathlib.Path:
 
     wrong = root / "wrong-shape"
     write_adapter(wrong)
-    from safetensors.torch import load_file
 
     tensors = load_file(str(wrong / "adapter_model.safetensors"))
     tensors[WRONG_TENSOR] = torch.zeros(HIDDEN, 8)  # v_proj's output is 192 wide, not 576
@@ -84,13 +111,30 @@ def adapters(tmp_path_factory) -> pathlib.Path:
 
     write_adapter(root / "dora", config={"use_dora": True})
     (root / "escape").symlink_to(base / "outside" / "good", target_is_directory=True)
+
+    for name in SHIPPED:
+        shutil.copytree(SHIPPED_ROOT / name, root / name)
+    nova = json.loads((SHIPPED_ROOT / "name-nova" / "adapter_config.json").read_text())
+    for name, (key, value) in HOSTILE_TENSORS.items():
+        tensors = load_file(str(SHIPPED_ROOT / "name-nova" / "adapter_model.safetensors"))
+        tensors[key][0, 0] = value
+        shutil.copytree(SHIPPED_ROOT / "name-nova", root / name)
+        save_file(tensors, str(root / name / "adapter_model.safetensors"))
+    for name, change in HOSTILE_CONFIGS.items():
+        shutil.copytree(SHIPPED_ROOT / "name-nova", root / name)
+        (root / name / "adapter_config.json").write_text(json.dumps({**nova, **change}))
+    # Within every bound (so it loads), yet far from a trained adapter: it may wreck its own requests only.
+    tensors = load_file(str(SHIPPED_ROOT / "name-nova" / "adapter_model.safetensors"))
+    tensors[POISONED_TENSOR].fill_(500.0)
+    shutil.copytree(SHIPPED_ROOT / "name-nova", root / "huge-but-bounded")
+    save_file(tensors, str(root / "huge-but-bounded" / "adapter_model.safetensors"))
     return root
 
 
 @pytest.fixture(scope="module")
 def server(adapters):
     args = ("--adapter-source", "local", "--adapter-root", str(adapters),
-            "--max-batch-total-tokens", "8192", "--max-concurrent-requests", "16")
+            "--max-batch-total-tokens", "8192", "--max-concurrent-requests", "64", "--max-active-adapters", "8")
     with live_server(*args) as url:
         yield url
 
@@ -225,3 +269,64 @@ def test_ids_that_cannot_name_a_directory_are_refused_not_500(server, adapter_id
     completion = httpx.post(f"{server}/v1/completions", json=openai_body(adapter_id), timeout=TIMEOUT)
     assert completion.status_code in (400, 404), completion.text
     assert completion.json()["error"]["param"] == "model"
+
+
+# ---- hostile adapters change no other request ---------------------------------------------------------
+
+
+def chat_body(adapter_id: str | None, question: str) -> dict:
+    parameters = {"max_new_tokens": 8, "apply_chat_template": True, "ignore_eos_token": True}
+    if adapter_id is not None:
+        parameters["adapter_id"] = adapter_id
+    return {"inputs": question, "parameters": parameters}
+
+
+def test_hostile_adapters_change_no_concurrent_request_during_or_after(server):
+    """20 greedy requests over the shipped adapters and the base equal their solo outputs while every
+    hostile adapter is asked for (refused, or served within the bounds) and afterwards."""
+    questions = ("What is your name?", "What is the capital of France?", "Name a colour.", "Who made you?")
+    good = [chat_body(a, q) for a in (*SHIPPED, None) for q in questions]
+    hostile = [chat_body(a, questions[0]) for a in [*HOSTILE_TENSORS, *HOSTILE_CONFIGS, "huge-but-bounded"] * 2]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+            solo = [await client.post("/generate", json=body) for body in good]
+            during, bad = await asyncio.gather(
+                asyncio.gather(*(client.post("/generate", json=body) for body in good)),
+                asyncio.gather(*(client.post("/generate", json=body) for body in hostile)),
+            )
+            after = await asyncio.gather(*(client.post("/generate", json=body) for body in good))
+            return solo, during, bad, after
+
+    solo, during, bad, after = asyncio.run(main())
+    texts = [r.json()["generated_text"] for r in solo]
+    assert all(r.status_code == 200 for r in solo) and len(set(texts)) > 5, texts  # the adapters do matter
+    assert [r.json().get("generated_text", r.text) for r in during] == texts
+    assert [r.json().get("generated_text", r.text) for r in after] == texts
+    for body, response in zip(hostile, bad):
+        adapter_id = body["parameters"]["adapter_id"]
+        if adapter_id == "huge-but-bounded":  # served: its own output, or its own failure (424)
+            assert response.status_code in (200, 424), response.text
+        else:
+            check_native_refusal(response, adapter_id)
+
+
+@pytest.mark.parametrize("adapter_id", ["regex", "regex-lookahead"])
+def test_a_catastrophic_regex_answers_within_a_second_and_info_stays_responsive(server, adapter_id):
+    async def main():
+        async with httpx.AsyncClient(base_url=server, timeout=TIMEOUT) as client:
+            async def timed(path, **kw):
+                started = time.perf_counter()
+                response = await (client.post(path, **kw) if "json" in kw else client.get(path))
+                return response, time.perf_counter() - started
+
+            refusals = [timed("/generate", json=native_body(adapter_id)) for _ in range(3)]
+            infos = [timed("/info") for _ in range(5)]
+            return await asyncio.gather(*refusals), await asyncio.gather(*infos)
+
+    for _ in range(2):  # the first reads the files; the second is answered from the remembered refusal
+        refusals, infos = asyncio.run(main())
+        for response, elapsed in refusals:
+            check_native_refusal(response, adapter_id)
+            assert elapsed < 1.0, elapsed
+        assert all(r.status_code == 200 and elapsed < 0.5 for r, elapsed in infos), [e for _, e in infos]
