@@ -221,7 +221,12 @@ def load_into(
     A checkpoint tensor that is not used raises, unless its name is in `ignore` or matches (re.search)
     one of `ignore_patterns`. Missing tensors and shape mismatches raise too, naming the tensors.
     Non-persistent buffers are left as the module built them.
+    A module with a `checkpoint_name(name) -> name` method (a family whose checkpoints come in several
+    layouts, e.g. LLaVA-NeXT saved by transformers 4) has checkpoint names mapped through it first.
     """
+    rename = getattr(module, "checkpoint_name", None)
+    if callable(rename):
+        state = _renamed(state, rename)
     # Group the module's names by tensor object: tied weights share one group.
     groups: dict[int, list[str]] = {}
     targets: dict[int, torch.Tensor] = {}
@@ -281,6 +286,17 @@ def load_into(
                 owner._buffers[leaf] = value
             else:  # a custom state_dict name we cannot map to a tensor attribute
                 raise WeightsError(f"{name}: not a parameter or buffer of {type(owner).__name__}")
+
+
+def _renamed(state: dict[str, torch.Tensor], rename: Callable[[str], str]) -> dict[str, torch.Tensor]:
+    renamed: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    for key, tensor in state.items():
+        name = rename(key)
+        if name in renamed:
+            raise WeightsError(f"checkpoint tensors {origin[name]!r} and {key!r} both fill {name!r}")
+        renamed[name], origin[name] = tensor, key
+    return renamed
 
 
 def _few(names: list[str], limit: int = 10) -> str:

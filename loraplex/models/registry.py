@@ -6,11 +6,13 @@ from torch import nn
 
 from loraplex.config import ModelConfig
 from loraplex.models.llama import LlamaForCausalLM
+from loraplex.models.llava_next import LlavaNextForConditionalGeneration
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "llava_next": LlavaNextForConditionalGeneration,
 }
 
 
