@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.config import EngineConfig, ModelConfig
+from loraplex.engine.images import ImageInputs
 from loraplex.engine.kv_cache import blocks_for
 from loraplex.engine.loading import LoadedModel, load_model
 from loraplex.engine.request import FinishReason, Request
@@ -126,11 +127,14 @@ class Engine:
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-        adapter: LoraAdapter | None = None,
+        adapter: LoraAdapter | None = None, images: ImageInputs | None = None,
     ) -> Request:
-        """Queue a request; `adapter` (loaded, e.g. by an AdapterStore) or None for the base model."""
+        """Queue a request; `adapter` (loaded, e.g. by an AdapterStore) or None for the base model;
+        `images` for a model that takes them (already expanded into placeholder tokens in the prompt)."""
         if not prompt_ids:
             raise RequestRefused("the prompt is empty")
+        if images is not None:
+            self._check_images(prompt_ids, images)
         if len(prompt_ids) > self.config.max_input_length:
             raise RequestRefused(
                 f"prompt has {len(prompt_ids)} tokens; must be <= {self.config.max_input_length} (max input length)"
@@ -144,7 +148,7 @@ class Engine:
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        request = Request(request_id, list(prompt_ids), params, seed, time.monotonic())
+        request = Request(request_id, list(prompt_ids), params, seed, time.monotonic(), images=images)
         if adapter is not None:
             self._use_adapter(adapter)
             request.adapter_id = adapter.adapter_id
@@ -158,11 +162,29 @@ class Engine:
         return request
 
     def abort_request(self, request_id: str) -> bool:
-        request = self.scheduler.abort(request_id)
+        request = self.scheduler.get(request_id)
         self._streams.pop(request_id, None)
-        if request is not None:
-            self._drop_adapter(request.adapter_id)
-        return request is not None
+        if request is None:
+            return False
+        self._release(request, FinishReason.ABORTED)
+        return True
+
+    def _release(self, request: Request, reason: FinishReason) -> None:
+        """A request leaves the engine: its KV blocks, adapter use, stream and per-request states go."""
+        self.scheduler.finish(request, reason)
+        self._drop_adapter(request.adapter_id)
+        self._streams.pop(request.request_id, None)
+        self.runner.forget(request.request_id)
+
+    @property
+    def takes_images(self) -> bool:
+        return self.runner.image_features is not None
+
+    def _check_images(self, prompt_ids: list[int], images: ImageInputs) -> None:
+        if not self.takes_images:
+            raise RequestRefused(f"model {self.model_id!r} does not take images (it is a text-only model)")
+        if not images.positions or images.positions[-1] >= len(prompt_ids) or images.num_images == 0:
+            raise RequestRefused("the images have no placeholder tokens in the prompt")
 
     def _use_adapter(self, adapter: LoraAdapter) -> None:
         unknown = set(adapter.modules) - set(self.lora.layers)
@@ -263,16 +285,12 @@ class Engine:
             return RequestOutput(request.request_id, token, seed=request.seed)
         if reason is not FinishReason.STOP_SEQUENCE and stream.detokenizer is not None:
             token.text += stream.detokenizer.flush()  # bytes held back for an unfinished character
-        self.scheduler.finish(request, reason)
-        self._drop_adapter(request.adapter_id)
-        del self._streams[request.request_id]
+        self._release(request, reason)
         return self._final_output(request, token, stream, now)
 
     def _fail(self, request: Request, message: str) -> RequestOutput:
         """End a request whose computation failed; its KV blocks and adapter use are released."""
-        self.scheduler.finish(request, FinishReason.ABORTED)
-        self._drop_adapter(request.adapter_id)
-        del self._streams[request.request_id]
+        self._release(request, FinishReason.ABORTED)
         return RequestOutput(request.request_id, None, finished=True, seed=request.seed, error=message)
 
     def _finish_reason(self, request: Request, token_id: int, piece: str, stream: _Stream) -> FinishReason | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from loraplex.params import SamplingParams
 
@@ -41,6 +42,9 @@ class Request:
     first_scheduled_time: float | None = None
     adapter_id: str | None = None  # None: the base model
     adapter_slot: int | None = None  # the device slot of its adapter, while running
+    # Its images (an engine.images.ImageInputs), already expanded into placeholder tokens in prompt_ids;
+    # the scheduler only ever sees the token counts.
+    images: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from loraplex.engine.images import ImageFeatures, step_input_embeds
 from loraplex.engine.scheduler import ScheduledRequest
 from loraplex.layers.attention import AttentionBackend, TorchAttentionBackend
 from loraplex.layers.forward_context import (
@@ -19,8 +20,8 @@ from loraplex.layers.forward_context import (
     DecodeGroup,
     ForwardContext,
     LoraRows,
-    LoraSegment,
     forward_context,
+    lora_segments,
 )
 from loraplex.lora.layers import LoraSlots
 from loraplex.sampling import Sampler, token_logprobs
@@ -75,21 +76,6 @@ def _slot_order(item: ScheduledRequest) -> int:
     return -1 if slot is None else slot
 
 
-def lora_segments(slots: list[int | None], row_counts: list[int]) -> list[LoraSegment]:
-    """Segments of consecutive rows sharing an adapter slot (base-model rows belong to none)."""
-    segments: list[LoraSegment] = []
-    start = 0
-    for slot, count in zip(slots, row_counts):
-        if slot is not None and count > 0:
-            last = segments[-1] if segments else None
-            if last is not None and last.slot == slot and last.end == start:
-                segments[-1] = LoraSegment(slot, last.start, start + count)
-            else:
-                segments.append(LoraSegment(slot, start, start + count))
-        start += count
-    return segments
-
-
 class ModelRunner:
     def __init__(
         self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
@@ -105,6 +91,8 @@ class ModelRunner:
             num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device
         )
         self.sampler = Sampler()
+        # Per-request image features while prompts are prefilled (models that take images only).
+        self.image_features = ImageFeatures() if hasattr(model, "encode_images") else None
         self.stacked_rows_per_segment = STACKED_ROWS_PER_SEGMENT.get(device.type, 8)
 
     @torch.inference_mode()
@@ -131,7 +119,7 @@ class ModelRunner:
         ctx = ForwardContext(batch.metadata, self.kv_caches, self.backend, lora)
         results = [StepResult() for _ in scheduled]
         with forward_context(ctx):
-            hidden = self.model(batch.input_ids, batch.positions)
+            hidden = self._forward(scheduled, batch, lora)
             sample_seqs = [i for i, s in enumerate(scheduled) if s.completes_sequence]
             if sample_seqs:
                 rows = torch.tensor([starts[i + 1] - 1 for i in sample_seqs], device=self.device)
@@ -155,6 +143,24 @@ class ModelRunner:
                 if request.params.prompt_logprobs and len(request.prompt_logprobs or []) < len(request.prompt_ids):
                     results[i].prompt_logprobs = self._prompt_logprobs(item, hidden[starts[i] : starts[i + 1]], lora)
         return results
+
+    def _forward(self, scheduled: list[ScheduledRequest], batch: "_Batch", lora: LoraRows | None) -> torch.Tensor:
+        if self.image_features is None:
+            return self.model(batch.input_ids, batch.positions)
+        embeds = step_input_embeds(
+            self.model, scheduled, batch.input_ids, batch.metadata.query_start_loc, self.image_features, lora
+        )
+        hidden = self.model(batch.input_ids, batch.positions, inputs_embeds=embeds)
+        for item in scheduled:  # a prompt fully computed needs its image features no more
+            request = item.request
+            if request.images is not None and request.num_computed_tokens + item.num_new_tokens >= len(request.prompt_ids):
+                self.image_features.drop(request.request_id)
+        return hidden
+
+    def forget(self, request_id: str) -> None:
+        """Drop what the runner holds for a request that left the engine."""
+        if self.image_features is not None:
+            self.image_features.drop(request_id)
 
     @staticmethod
     def _drop_non_finite(

@@ -81,6 +81,9 @@ class LoraRows:
     tokens: list[LoraSegment]
     logits: list[LoraSegment]
     weights: Mapping[str, Sequence[Any]]  # LoRA layer name -> the weights in each slot (None: no delta)
+    # Image tiles seen by a vision tower and its projector, in units of tiles (the first dimension of
+    # their [tiles, seq, features] inputs); set by the runner before it encodes a step's images.
+    patches: list[LoraSegment] = field(default_factory=list)
     # For steps of many short segments: the step's adapters stacked (a lora `Stack`: per layer its A
     # and B stacks, only for layers some adapter targets), and per row kind how rows map onto the
     # stack's groups. None: use the segments.
@@ -88,7 +91,22 @@ class LoraRows:
     groups: dict[str, LoraGroups] = field(default_factory=dict)
 
     def segments(self, kind: str) -> list[LoraSegment]:
-        return self.tokens if kind == "tokens" else self.logits
+        return {"tokens": self.tokens, "logits": self.logits, "patches": self.patches}[kind]
+
+
+def lora_segments(slots: list[int | None], row_counts: list[int]) -> list[LoraSegment]:
+    """Segments of consecutive rows sharing an adapter slot (base-model rows belong to none)."""
+    segments: list[LoraSegment] = []
+    start = 0
+    for slot, count in zip(slots, row_counts):
+        if slot is not None and count > 0:
+            last = segments[-1] if segments else None
+            if last is not None and last.slot == slot and last.end == start:
+                segments[-1] = LoraSegment(slot, last.start, start + count)
+            else:
+                segments.append(LoraSegment(slot, start, start + count))
+        start += count
+    return segments
 
 
 @dataclass

@@ -19,8 +19,18 @@ from loraplex.layers.forward_context import LoraGroups, LoraSegment, current_lor
 from loraplex.lora.adapter import BaseShapes, LoraAdapter, LoraWeights
 from loraplex.lora.kernels import add_lora, add_lora_stacked
 
-# The output head sees the rows handed to compute_logits, not the step's token rows.
-_ROW_KIND = {"lm_head": "logits"}
+# Which rows a LoRA-wrapped linear sees (DESIGN.md 7), by its module path: the output head sees the rows
+# handed to compute_logits; a vision tower and its projector see image tiles, each owned by the request
+# whose image it is; everything else sees the step's token rows.
+_IMAGE_MODULES = ("vision_tower.", "multi_modal_projector.")
+
+
+def row_kind(name: str) -> str:
+    if name.rsplit(".", 1)[-1] == "lm_head":
+        return "logits"
+    if any(part in name for part in _IMAGE_MODULES):
+        return "patches"
+    return "tokens"
 
 
 class LoraLinear(nn.Module):
@@ -28,7 +38,7 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base = base
         self.name = name
-        self.row_kind = _ROW_KIND.get(name.rsplit(".", 1)[-1], "tokens")
+        self.row_kind = row_kind(name)
 
     @property
     def in_features(self) -> int:
@@ -53,7 +63,13 @@ class LoraLinear(nn.Module):
             if stacked is None:  # no adapter of this step targets this layer
                 return out
             return add_lora_stacked(out, x, groups, *stacked)
-        return add_lora(out, x, rows.segments(self.row_kind), rows.weights[self.name])
+        segments = rows.segments(self.row_kind)
+        if x.dim() == 3:  # [items, seq, features] (image tiles): a segment covers whole items
+            seq = x.shape[1]
+            flat = [LoraSegment(s.slot, s.start * seq, s.end * seq) for s in segments]
+            add_lora(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), flat, rows.weights[self.name])
+            return out
+        return add_lora(out, x, segments, rows.weights[self.name])
 
 
 def wrap_linears(model: nn.Module) -> dict[str, LoraLinear]:
