@@ -10,6 +10,7 @@ import socket
 import sys
 
 from loraplex.config import EngineConfig, ServerConfig
+from loraplex.multimodal.config import MediaConfig
 
 
 def _env(name: str, default=None, cast=str):
@@ -40,6 +41,34 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="where adapter ids are looked up unless a request says otherwise")
     p.add_argument("--adapter-root", action="append", default=_env("ADAPTER_ROOT", None, lambda v: v.split(",")),
                    help="directory local adapters may be loaded from (repeatable; none: local adapters off)")
+
+
+def _add_media_args(p: argparse.ArgumentParser) -> None:
+    """Where images may come from (vLLM's flag names) and how large they may be. Data URLs always work."""
+    d = MediaConfig()
+    p.add_argument("--allowed-local-media-path", default=_env("ALLOWED_LOCAL_MEDIA_PATH"),
+                   help="directory images may be read from (file:// URLs or paths); default: local files refused")
+    p.add_argument("--allowed-media-domains", nargs="+", default=_env("ALLOWED_MEDIA_DOMAINS", None, lambda v: v.split(",")),
+                   help="hosts http(s) images may come from (exact names; a listed literal IP may be private)")
+    p.add_argument("--allow-private-media-addresses", action="store_true",
+                   default=_env("ALLOW_PRIVATE_MEDIA_ADDRESSES", False, _truthy),
+                   help="let listed host names resolve to loopback / private / link-local addresses")
+    p.add_argument("--max-images-per-request", type=int, default=_env("MAX_IMAGES_PER_REQUEST", d.max_images_per_request, int))
+    p.add_argument("--max-image-bytes", type=int, default=_env("MAX_IMAGE_BYTES", d.max_image_bytes, int))
+    p.add_argument("--max-image-pixels", type=int, default=_env("MAX_IMAGE_PIXELS", d.max_image_pixels, int))
+    p.add_argument("--media-fetch-timeout-s", type=float, default=_env("MEDIA_FETCH_TIMEOUT_S", d.fetch_timeout_s, float))
+
+
+def _media_config(args: argparse.Namespace) -> MediaConfig:
+    return MediaConfig(
+        allowed_local_media_path=os.path.abspath(args.allowed_local_media_path) if args.allowed_local_media_path else None,
+        allowed_media_domains=tuple(args.allowed_media_domains or ()),
+        allow_private_addresses=args.allow_private_media_addresses,
+        max_images_per_request=args.max_images_per_request,
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
+        fetch_timeout_s=args.media_fetch_timeout_s,
+    )
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -108,6 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         adapter_roots=tuple(args.adapter_root or ()),
         preloaded_adapter_ids=tuple(args.preloaded_adapter_ids or ()),
         max_cpu_adapters=args.max_cpu_adapters,
+        media=_media_config(args),
     )
     app = create_app(AsyncEngine(engine), server_config)
     # Bind before saying "ready": from that line on, connections queue in the backlog.
@@ -163,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="adapters (of --adapter-source) loaded at start and listed by /v1/models")
     serve.add_argument("--max-cpu-adapters", type=int, default=_env("MAX_CPU_ADAPTERS", 64, int),
                        help="loaded adapters kept in host memory besides the preloaded ones (LRU)")
+    _add_media_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for one prompt and print it")

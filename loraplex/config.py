@@ -6,8 +6,10 @@ transformers spellings alike) becomes one flat, frozen description that our mode
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from loraplex.multimodal.config import MediaConfig
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 # Activations our CLIP tower and LLaVA projector implement (models/clip.py holds the functions).
@@ -246,3 +248,5 @@ class ServerConfig:
     adapter_roots: tuple[str, ...] = ()
     preloaded_adapter_ids: tuple[str, ...] = ()
     max_cpu_adapters: int = 64
+    # Images: where they may come from and how large they may be (vLLM's names; see multimodal/config.py).
+    media: MediaConfig = field(default_factory=MediaConfig)

@@ -67,6 +67,7 @@ class Engine:
         self.config = config
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.processor = loaded.processor  # None for text-only models
         self.model_id = loaded.model_id
         self.device, self.dtype = loaded.device, loaded.dtype
         num_blocks = self._kv_cache_blocks(loaded)

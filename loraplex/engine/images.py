@@ -10,6 +10,7 @@ once the prompt is computed; a preempted request re-encodes when its prompt is p
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,8 @@ class ImageFeatures:
 
     def __init__(self) -> None:
         self._by_request: dict[str, torch.Tensor] = {}
+        self.encoded_images = 0  # totals, for metrics
+        self.encode_seconds = 0.0
 
     def get(self, request_id: str) -> torch.Tensor | None:
         return self._by_request.get(request_id)
@@ -105,7 +108,10 @@ def _encode_missing(requests, model, features: ImageFeatures, lora) -> None:
             i += r.images.num_images
         lora.patches = lora_segments([r.adapter_slot for r in todo], per_request)
     weight = next(model.parameters())
+    started = time.perf_counter()
     encoded = model.encode_images(pixel_values.to(weight.device, weight.dtype), sizes)
+    features.encoded_images += len(sizes)
+    features.encode_seconds += time.perf_counter() - started  # host time (on CUDA: launch time only)
     i = 0
     for r in todo:
         mine = torch.cat(encoded[i : i + r.images.num_images])

@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     model_id: str
+    # The model's Hugging Face processor (image resizing, tiling, placeholder expansion) when it
+    # takes images; None for text-only models.
+    processor: Any = None
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -62,8 +66,18 @@ def load_model(
     state = load_state_dict(source, device=str(device), dtype=dtype, show_progress=show_progress)
     model = build_model(model_config, state)
     tokenizer = Tokenizer.from_pretrained(str(source.path), extra_eos_ids=_generation_eos_ids(source, model_config))
+    processor = _processor(source) if model_config.vision is not None else None
     log(f"model loaded in {time.perf_counter() - started:.1f}s")
-    return LoadedModel(model, model_config, tokenizer, device, dtype, source.model_id)
+    return LoadedModel(model, model_config, tokenizer, device, dtype, source.model_id, processor)
+
+
+def _processor(source: ModelSource):
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(str(source.path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{source.model_id} takes images but has no usable processor files ({exc})") from exc
 
 
 def _generation_eos_ids(source: ModelSource, config: ModelConfig) -> tuple[int, ...]:

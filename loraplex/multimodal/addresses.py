@@ -2,8 +2,9 @@
 
 Two checks, both needed: the host must be listed in allowed_media_domains (exact match after
 normalising; subdomains are not implied), and every address the host resolves to must be public,
-unless the operator set allow_private_addresses, which then admits listed hosts that resolve to
-loopback, private, link-local, shared or reserved ranges. Unspecified and multicast addresses are
+unless the operator listed that address itself (a literal IP such as 127.0.0.1) or set
+allow_private_addresses, which admits listed host names that resolve to loopback, private,
+link-local, shared or reserved ranges. Unspecified and multicast addresses are
 never connected to. IPv6 addresses that carry an IPv4 address (IPv4-mapped, NAT64 64:ff9b::/96) are
 judged by the IPv4 address inside; 6to4 (2002::/16) by both.
 """
@@ -106,7 +107,8 @@ async def resolve_checked(host: str, port: int, config: MediaConfig) -> list[str
         found = list(dict.fromkeys(info[4][0] for info in infos))
     for address in found:
         ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone ("fe80::1%eth0")
-        reason = refusal(ip, config.allow_private_addresses)
+        # A literal address in allowed_media_domains is the operator's own choice: listing it admits it.
+        reason = refusal(ip, config.allow_private_addresses or address == host)
         if reason:
             # Say which switch would admit it, when one would.
             hint = " (allow_private_addresses is off)" if refusal(ip, True) is None else ""

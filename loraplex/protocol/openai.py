@@ -158,7 +158,8 @@ class CompletionRequest(SamplingFields):
 
 
 class ContentPart(BaseModel, extra="allow"):
-    """One part of a message's content: {"type": "text", "text": ...}; other types are refused by name."""
+    """One part of a message's content: {"type": "text", "text": ...} or {"type": "image_url",
+    "image_url": {"url": ...}}; other types are refused by name."""
 
     type: str
     text: str | None = None
@@ -169,20 +170,23 @@ class ChatMessage(BaseModel, extra="allow"):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
-    def for_template(self, i: int) -> dict[str, str]:
-        """{"role", "content"} for the chat template: text parts joined by newlines, as vLLM does."""
+    def for_template(self, i: int) -> dict[str, Any]:
+        """{"role", "content"} for the chat template: text parts joined by newlines, as vLLM does; a
+        content list with images keeps its parts (the server turns image_url parts into images)."""
         if self.role in ("tool", "function"):
             raise Unsupported(f"role {self.role!r} is not supported yet (no tool calling)", f"messages[{i}].role")
         role = "system" if self.role == "developer" else self.role
         if self.content is None or isinstance(self.content, str):
             return {"role": role, "content": self.content or ""}
+        if any(part.type == "image_url" for part in self.content):
+            return {"role": role, "content": [part.model_dump(exclude_none=True) for part in self.content]}
         texts = []
         for j, part in enumerate(self.content):
             where = f"messages[{i}].content[{j}]"
-            if part.type in ("image_url", "image", "input_image"):
-                raise Unsupported("images are not supported yet", where)
+            if part.type in ("image", "input_image"):
+                raise Unsupported(f"content parts of type {part.type!r} are not supported (use image_url)", where)
             if part.type != "text" or part.text is None:
-                raise Unsupported(f"content parts of type {part.type!r} are not supported (only text)", where)
+                raise Unsupported(f"content parts of type {part.type!r} are not supported (text, image_url)", where)
             texts.append(part.text)
         return {"role": role, "content": "\n".join(texts)}
 
@@ -212,7 +216,7 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise Unsupported("top_logprobs needs logprobs: true", "top_logprobs")
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template(i) for i, m in enumerate(self.messages)]
 
 
@@ -237,6 +241,7 @@ class ModelCard(BaseModel):
     owned_by: str = "loraplex"
     root: str | None = None
     parent: str | None = None
+    input_modalities: list[str] = ["text"]  # ["text", "image"] for a model that takes images
 
 
 class ModelList(BaseModel):

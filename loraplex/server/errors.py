@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from loraplex.engine.engine import RequestRefused
 from loraplex.lora.adapter import AdapterInvalid, AdapterNotFound
+from loraplex.multimodal import MediaError
 from loraplex.server.state import GenerationFailed, Overloaded
 
 
@@ -59,6 +60,8 @@ def error_response(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, (RequestRefused, BadRequest)):
         param = getattr(exc, "param", None)
         return openai_error(400, str(exc), "invalid_request_error", param) if openai else native_error(422, str(exc), "validation")
+    if isinstance(exc, MediaError):  # an image the request named: its own status (400/413/415/422)
+        return openai_error(exc.status, str(exc), "invalid_request_error", "messages") if openai else native_error(exc.status, str(exc), "validation")
     if isinstance(exc, GenerationFailed):
         return openai_error(500, str(exc), "server_error") if openai else native_error(424, str(exc), "generation")
     raise exc
@@ -75,5 +78,5 @@ def install_error_handlers(app: FastAPI) -> None:
             return openai_error(400, message, "invalid_request_error", where or None)
         return native_error(422, message, "validation")
 
-    for kind in (Overloaded, ModelNotFound, AdapterNotFound, AdapterInvalid, RequestRefused, BadRequest, GenerationFailed):
+    for kind in (Overloaded, ModelNotFound, AdapterNotFound, AdapterInvalid, RequestRefused, BadRequest, MediaError, GenerationFailed):
         app.add_exception_handler(kind, error_response)

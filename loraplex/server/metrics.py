@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from loraplex.engine.engine import Engine, RequestOutput
@@ -49,6 +49,11 @@ class Metrics:
         self.input_length = Histogram(
             "lorax_request_input_length", "Prompt tokens per request", buckets=TOKEN_BUCKETS, registry=r
         )
+        self.images = Counter("loraplex_images", "Images received in requests", registry=r)
+        self.image_processing = Histogram(
+            "loraplex_image_processing_seconds", "Seconds the processor took per request's images (resize, tile)",
+            buckets=DURATION_BUCKETS, registry=r,
+        )
         self._adapter_labels: set[str] = {BASE_ADAPTER}
         r.register(_EngineGauges(engine))
 
@@ -73,6 +78,10 @@ class Metrics:
         if final.num_generated_tokens:
             self.time_per_token.observe((t.get("total", 0.0) - t.get("queue", 0.0)) / final.num_generated_tokens)
 
+    def on_images(self, count: int, seconds: float) -> None:
+        self.images.inc(count)
+        self.image_processing.observe(seconds)
+
     def on_failure(self, kind: str) -> None:
         self.request_failure.labels(kind).inc()
 
@@ -95,6 +104,12 @@ class _EngineGauges:
         yield _gauge("vllm:num_requests_waiting", "Requests waiting", waiting)
         yield _gauge("vllm:num_requests_running", "Requests running", running)
         yield _gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1", usage)
+        features = self.engine.runner.image_features
+        if features is not None:
+            yield CounterMetricFamily("loraplex_vision_encoded_images", "Images run through the vision tower",
+                                      value=features.encoded_images)
+            yield CounterMetricFamily("loraplex_vision_encoder_seconds", "Seconds spent in the vision tower and projector",
+                                      value=features.encode_seconds)
         info = GaugeMetricFamily(
             "vllm:lora_requests_info", "Adapters of running and waiting requests",
             labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],

@@ -28,7 +28,10 @@ from loraplex.protocol.native import (
     Token,
     TokenizeRequest,
 )
+from loraplex.engine.images import ImageInputs
+from loraplex.multimodal import split_markdown_images
 from loraplex.server.errors import BadRequest, native_error
+from loraplex.server.images import encode_prompt, image_placeholder
 from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences
 from loraplex.server.state import GenerationFailed, ServerState, adapter_header, get_state, run_to_end
 
@@ -42,6 +45,7 @@ class Prepared:
     prefix: str  # prepended to generated_text (return_full_text)
     validated_at: float
     adapter: LoraAdapter | None = None
+    images: ImageInputs | None = None
 
 
 async def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
@@ -67,15 +71,21 @@ async def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
     text = body.inputs
     if p.apply_chat_template:
         text = state.tokenizer.apply_chat_template(body.chat_messages())
-    prompt_ids = state.tokenizer.encode(text, add_special_tokens=not p.apply_chat_template)
-    if p.truncate is not None:
+    # LoRAX's image form: ![](URL) in the text, each replaced by the model's image placeholder.
+    text, urls = split_markdown_images(text, image_placeholder(state))
+    prompt_ids, images = await encode_prompt(state, text, urls, not p.apply_chat_template, "inputs")
+    if p.truncate is not None and p.truncate < len(prompt_ids):
+        if images is not None and images.positions[0] < len(prompt_ids) - p.truncate:
+            raise BadRequest(f"truncate={p.truncate} would cut an image's tokens out of the prompt", "truncate")
         prompt_ids = prompt_ids[-p.truncate :]
+        if images is not None:
+            images = ImageInputs.for_prompt(prompt_ids, images.pixel_values, images.image_sizes, images.token_id)
     max_new = p.max_new_tokens or limits.default_max_new_tokens
     check_prompt_and_budget(state, prompt_ids, max_new, "inputs", "max_new_tokens")
     prefix = body.inputs if p.return_full_text else ""
     params = p.to_sampling_params(max_new)
     adapter = await state.adapter(p.adapter_id, p.adapter_source, merge_spec(p.merged_adapters))
-    return Prepared(prompt_ids, params, prefix, time.perf_counter() - started, adapter)
+    return Prepared(prompt_ids, params, prefix, time.perf_counter() - started, adapter, images)
 
 
 def merge_spec(merged: MergedAdapters | None) -> MergeSpec | None:
@@ -118,7 +128,7 @@ async def generate_json(state: ServerState, body: GenerateRequest) -> JSONRespon
     prepared = await prepare(state, body)
     best_of = body.parameters.best_of or 1
     runs = await asyncio.gather(
-        *(run_to_end(state, prepared.prompt_ids, prepared.params, prepared.adapter) for _ in range(best_of))
+        *(run_to_end(state, prepared.prompt_ids, prepared.params, prepared.adapter, prepared.images) for _ in range(best_of))
     )
     best = max(runs, key=lambda r: r.logprob_sum)
     final = best.final
@@ -146,7 +156,7 @@ async def generate_sse(state: ServerState, body: GenerateRequest):
     if (body.parameters.best_of or 1) > 1:
         raise BadRequest("best_of > 1 is not supported when streaming", "best_of")
     prepared = await prepare(state, body)
-    outputs = state.generate(prepared.prompt_ids, prepared.params, prepared.adapter)
+    outputs = state.generate(prepared.prompt_ids, prepared.params, prepared.adapter, prepared.images)
     first = await anext(outputs)  # refusals surface here, before any byte, as a plain error response
 
     async def events() -> AsyncIterator[str]:
@@ -211,7 +221,12 @@ async def compat_generate(body: CompatGenerateRequest, request: Request):
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request):
-    tokenizer = get_state(request).tokenizer
+    state = get_state(request)
+    tokenizer = state.tokenizer
+    text, urls = split_markdown_images(body.inputs, image_placeholder(state))
+    if urls:  # each image's placeholder tokens, as many as the request would use (no character offsets)
+        ids, _ = await encode_prompt(state, text, urls, body.add_special_tokens, "inputs")
+        return [{"id": i, "text": tokenizer.token_text(i), "start": 0, "stop": 0} for i in ids]
     ids = tokenizer.encode(body.inputs, add_special_tokens=body.add_special_tokens)
     encoding = tokenizer.hf(body.inputs, add_special_tokens=body.add_special_tokens, return_offsets_mapping=True)
     offsets = encoding.get("offset_mapping") or [(0, 0)] * len(ids)
@@ -249,5 +264,6 @@ async def info(request: Request):
         "max_batch_total_tokens": core.kv_capacity_tokens,
         "max_batch_prefill_tokens": core.config.max_batch_prefill_tokens,
         "block_size": core.config.block_size,
+        "input_modalities": ["text", "image"] if core.takes_images else ["text"],
         "version": __version__,
     }

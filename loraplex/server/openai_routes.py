@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from loraplex.engine.engine import RequestOutput
+from loraplex.engine.images import ImageInputs
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.params import SamplingParams, TokenInfo
 from loraplex.protocol.openai import (
@@ -42,7 +43,9 @@ from loraplex.protocol.openai import (
     UsageInfo,
     finish_reason_name,
 )
+from loraplex.multimodal import split_chat_images
 from loraplex.server.errors import BadRequest, ModelNotFound
+from loraplex.server.images import encode_prompt
 from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences
 from loraplex.server.state import (
     Finished,
@@ -84,7 +87,9 @@ async def resolve_model(state: ServerState, requested: str | None) -> Served:
 
 def model_card(state: ServerState, model_id: str) -> ModelCard:
     parent = None if model_id == state.model_id else state.model_id
-    return ModelCard(id=model_id, created=int(state.started_at), root=state.model_id, parent=parent)
+    modalities = ["text", "image"] if state.core.takes_images else ["text"]
+    return ModelCard(id=model_id, created=int(state.started_at), root=state.model_id, parent=parent,
+                     input_modalities=modalities)
 
 
 @router.get("/models")
@@ -113,6 +118,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     echo: str = ""  # prepended to the text (completions `echo`)
+    images: ImageInputs | None = None  # chat messages' images (shared by the n choices: read-only)
 
 
 def sampling_params(
@@ -168,19 +174,32 @@ def prepare_completion(state: ServerState, body: CompletionRequest) -> list[Job]
     return jobs
 
 
-def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> list[Job]:
+async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> list[Job]:
     refusing(body.check)
     messages = refusing(body.template_messages)
+    urls: list[str] = []
+    if any(isinstance(m["content"], list) for m in messages):  # image parts: {"type": "image"} + their URLs
+        messages, urls = split_chat_images(messages)
+        if not state.core.takes_images:
+            raise BadRequest(f"model {state.model_id!r} does not take images (it is a text-only model)", "messages")
     try:
-        prompt = state.tokenizer.apply_chat_template(messages)
+        prompt = chat_template(state)(messages)
     except Exception as exc:  # no template, or the template refused these messages
         raise BadRequest(f"messages cannot be turned into a prompt: {exc}", "messages") from exc
-    ids = state.tokenizer.encode(prompt, add_special_tokens=False)
+    ids, images = await encode_prompt(state, prompt, urls, False, "messages")
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, state.core.max_total_tokens - len(ids))
     check_prompt_and_budget(state, ids, max_tokens, "messages", "max_tokens")
     top_n = (body.top_logprobs or 0) if body.logprobs else 0
     params = sampling_params(state, body, max_tokens, top_n)
-    return [Job(k, 0, ids, sp) for k, sp in enumerate(fan_out(state, params, body.choices_per_prompt, 1))]
+    return [Job(k, 0, ids, sp, images=images) for k, sp in enumerate(fan_out(state, params, body.choices_per_prompt, 1))]
+
+
+def chat_template(state: ServerState):
+    """The model's chat template: a vision model's processor carries the one that places images."""
+    processor = state.core.processor
+    if processor is not None and getattr(processor, "chat_template", None):
+        return lambda messages: processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return state.tokenizer.apply_chat_template
 
 
 # ---- running: n engine requests at once ----------------------------------------------------------
@@ -198,7 +217,7 @@ async def _all_or_none(coros: list) -> list:
 
 
 async def run_all(state: ServerState, jobs: list[Job], adapter: LoraAdapter | None) -> list[Finished]:
-    return await _all_or_none([run_to_end(state, job.prompt_ids, job.params, adapter) for job in jobs])
+    return await _all_or_none([run_to_end(state, job.prompt_ids, job.params, adapter, job.images) for job in jobs])
 
 
 Started = list[tuple[AsyncIterator[RequestOutput], RequestOutput]]
@@ -206,7 +225,7 @@ Started = list[tuple[AsyncIterator[RequestOutput], RequestOutput]]
 
 async def start_all(state: ServerState, jobs: list[Job], adapter: LoraAdapter | None = None) -> Started:
     """Every job's first output, so that refusals come back as plain errors; on failure none stays open."""
-    streams = [state.generate(job.prompt_ids, job.params, adapter) for job in jobs]
+    streams = [state.generate(job.prompt_ids, job.params, adapter, job.images) for job in jobs]
 
     async def first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         return await anext(stream)
@@ -385,7 +404,7 @@ async def completions(body: CompletionRequest, request: Request):
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = get_state(request)
-    jobs = prepare_chat(state, body)
+    jobs = await prepare_chat(state, body)
     served = await resolve_model(state, body.model)
     model = served.name
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

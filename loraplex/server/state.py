@@ -17,6 +17,7 @@ from fastapi import Request
 from loraplex.config import ServerConfig
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import Engine, RequestOutput
+from loraplex.engine.images import ImageInputs
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.store import AdapterStore, MergeSpec
 from loraplex.params import SamplingParams, TokenInfo
@@ -90,7 +91,8 @@ class ServerState:
         return await self.adapters.get(adapter_id, source)
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, adapter: LoraAdapter | None = None
+        self, prompt_ids: list[int], params: SamplingParams, adapter: LoraAdapter | None = None,
+        images: ImageInputs | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs (with `adapter`, or the base model).
 
@@ -102,7 +104,7 @@ class ServerState:
         request_id = uuid.uuid4().hex
         label = adapter.adapter_id if adapter is not None else BASE_ADAPTER
         self.metrics.on_request(len(prompt_ids), label)
-        stream = self.engine.generate(prompt_ids, params, request_id, adapter)
+        stream = self.engine.generate(prompt_ids, params, request_id, adapter, images)
         try:
             async for out in stream:
                 if out.finished:
@@ -117,11 +119,12 @@ class ServerState:
 
 
 async def run_to_end(
-    state: ServerState, prompt_ids: list[int], params: SamplingParams, adapter: LoraAdapter | None = None
+    state: ServerState, prompt_ids: list[int], params: SamplingParams, adapter: LoraAdapter | None = None,
+    images: ImageInputs | None = None,
 ) -> Finished:
     tokens: list[TokenInfo] = []
     final = None
-    async for final in state.generate(prompt_ids, params, adapter):
+    async for final in state.generate(prompt_ids, params, adapter, images):
         if final.token is not None:
             tokens.append(final.token)
     assert final is not None and final.finished

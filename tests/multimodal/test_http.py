@@ -52,12 +52,17 @@ def test_host_not_on_the_list(server):
     assert "/green.png?case=unlisted" not in server.paths()
 
 
-def test_listed_loopback_is_refused_without_the_private_switch(server):
-    config = MediaConfig(allowed_media_domains=("127.0.0.1",))
-    error = refused(MediaNotAllowed, server.url("/green.png?case=private"), config)
-    assert error.status == 400
-    assert str(error) == "image 1 of 1: image host '127.0.0.1' is a loopback address (allow_private_addresses is off)"
-    assert "/green.png?case=private" not in server.paths()
+def test_loopback_is_refused_unless_listed(server):
+    config = MediaConfig(allowed_media_domains=("localhost",))  # a name, not the address: refused
+    error = refused(MediaNotAllowed, server.url("/green.png?case=private").replace("127.0.0.1", "localhost"), config)
+    assert error.status == 400 and "loopback address 127.0.0.1 (allow_private_addresses is off)" in str(error)
+    assert not any("case=private" in path for path in server.paths())
+
+
+def test_a_listed_loopback_address_is_served(server):
+    config = MediaConfig(allowed_media_domains=("127.0.0.1",))  # the operator listed the address itself
+    [image] = run(load_images([server.url("/green.png?case=literal")], config))
+    assert image.size == (8, 6) and image.getpixel((7, 5)) == GREEN
 
 
 def test_listed_loopback_is_served_with_the_private_switch(server):

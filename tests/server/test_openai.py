@@ -207,7 +207,7 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, IMAGE]}]},
-     "images are not supported yet"),
+     "does not take images"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "max stop sequences"),
     ({"max_tokens": 100000}, "max total tokens"),
     ({"messages": [{"role": "user", "content": "hi " * 5000}]}, "max input length"),
@@ -251,7 +251,7 @@ class FakeState:
         self.opened = 0
         self.closed: set[int] = set()
 
-    async def generate(self, prompt_ids, params, adapter=None):
+    async def generate(self, prompt_ids, params, adapter=None, images=None):
         number, self.opened = self.opened, self.opened + 1
         try:
             if number == self.refuse:

@@ -15,6 +15,7 @@ FORBIDDEN = {
     "engine": {"server", "protocol", "cli"},
     "protocol": {"server", "cli"},
     "server": {"cli"},
+    "multimodal": {"engine", "server", "protocol", "cli", "models", "lora", "layers"},
 }
 
 

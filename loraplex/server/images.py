@@ -1,0 +1,42 @@
+"""Prompts with images: fetch and check the images (loraplex.multimodal), then let the model's own
+Hugging Face processor resize, tile and normalise them and expand each image's placeholder into its
+tokens, off the event loop and off the engine thread. Shared by the native and the OpenAI routes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from loraplex.engine.images import ImageInputs
+from loraplex.multimodal import load_images
+from loraplex.server.errors import BadRequest
+from loraplex.server.state import ServerState
+
+
+def image_placeholder(state: ServerState) -> str:
+    """The text that stands for one image in a prompt (LLaVA: "<image>")."""
+    return state.core.processor.image_token if state.core.takes_images else "<image>"
+
+
+async def encode_prompt(
+    state: ServerState, prompt: str, urls: list[str], add_special_tokens: bool, param: str
+) -> tuple[list[int], ImageInputs | None]:
+    """Token ids of `prompt` (its image placeholders expanded) and the images' inputs; `param` names the
+    request field the images came from, for errors."""
+    if not urls:
+        return state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens), None
+    if not state.core.takes_images:
+        raise BadRequest(f"model {state.model_id!r} does not take images (it is a text-only model)", param)
+    images = await load_images(urls, state.config.media)
+    processor = state.core.processor
+    started = time.perf_counter()
+    out = await asyncio.to_thread(
+        processor, text=prompt, images=images, return_tensors="pt", add_special_tokens=add_special_tokens
+    )
+    state.metrics.on_images(len(images), time.perf_counter() - started)
+    ids = out["input_ids"][0].tolist()
+    token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    placed = sum(1 for t in ids if t == token_id)
+    if placed == 0:
+        raise BadRequest("the prompt has no place for its images (the chat template dropped them)", param)
+    return ids, ImageInputs.for_prompt(ids, out["pixel_values"], out["image_sizes"].tolist(), token_id)
