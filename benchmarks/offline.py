@@ -1,6 +1,6 @@
 """Offline throughput benchmark: loraplex against Hugging Face transformers, measured in one run.
 
-    loraplex bench [--workload equal|mixed|adapters|all] [--requests 32] [--one-at-a-time-requests 8] [--model-id ID]
+    loraplex bench [--workload equal|mixed|adapters|vision|all] [--requests 32] [--one-at-a-time-requests 8] [--model-id ID]
                    [--seed 0] [--repeats 1] [--adapters 8] [--adapter-rank 16] [--rotation-adapters 64]
                    [--rotation-slots 8] [--json PATH]
 
@@ -182,9 +182,9 @@ def format_result(result: WorkloadResult, setting: str) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="loraplex bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", choices=["equal", "mixed", "adapters", "all"], default="all",
-                   help="all: equal and mixed (the default set); adapters runs only when named, it takes longer "
-                        "than the default set")
+    p.add_argument("--workload", choices=["equal", "mixed", "adapters", "vision", "all"], default="all",
+                   help="all: equal and mixed (the default set); adapters and vision (the example VLM, "
+                        "benchmarks/vision.py) run only when named")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--one-at-a-time-requests", type=int, default=8,
                    help="transformers one-at-a-time is slow: time this many of the requests (default 8)")
@@ -196,12 +196,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rotation-adapters", type=int, default=64,
                    help="adapters workload: adapters (one request each) rotating through --rotation-slots slots")
     p.add_argument("--rotation-slots", type=int, default=8, help="max_active_adapters of the rotation run")
+    p.add_argument("--new-tokens", type=int, default=16, help="vision workload: new tokens per request")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.workload == "vision":  # its own model (the example VLM) and peer
+        from benchmarks.vision import bench_vision, format_vision
+
+        result = bench_vision(args.requests, args.new_tokens, args.repeats, args.seed)
+        print(format_vision(result), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"workloads": {"vision": result}}, f, indent=2)
+        return 0
     from loraplex.config import EngineConfig
     from loraplex.engine.engine import Engine
     from loraplex.engine.loading import load_model

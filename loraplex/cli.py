@@ -208,8 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.set_defaults(func=cmd_generate)
 
-    bench = sub.add_parser("bench", help="offline throughput benchmark against transformers")
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    # The benchmark parses its own options (benchmarks/offline.py): everything after "bench" goes to it.
+    bench = sub.add_parser("bench", help="offline throughput benchmark against transformers", add_help=False)
     bench.set_defaults(func=cmd_bench)
     return parser
 
@@ -217,7 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from loraplex.lora.adapter import AdapterError
 
-    args = build_parser().parse_args(argv)
+    args, rest = build_parser().parse_known_args(argv)
+    if getattr(args, "func", None) is cmd_bench:
+        args.bench_args = rest
+    elif rest:
+        build_parser().parse_args(argv)  # reports the unrecognised arguments and exits
     try:
         return args.func(args)
     except AdapterError as exc:  # a preloaded or --adapter-id adapter that cannot be served

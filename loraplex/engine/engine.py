@@ -334,12 +334,13 @@ class Engine:
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-        adapters: list[LoraAdapter | None] | None = None,
+        adapters: list[LoraAdapter | None] | None = None, images: list[ImageInputs | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion (offline use and tests); final outputs in prompt order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         adapters = adapters or [None] * len(prompts)
-        requests = [self.add_request(p, sp, adapter=a) for p, sp, a in zip(prompts, params_list, adapters)]
+        images = images or [None] * len(prompts)
+        requests = [self.add_request(p, sp, adapter=a, images=i) for p, sp, a, i in zip(prompts, params_list, adapters, images)]
         finals: dict[str, RequestOutput] = {}
         while self.has_unfinished:
             for out in self.step():

@@ -143,3 +143,12 @@ def test_adapter_ratios_from_measured_times(adapter_systems, monkeypatch):
     text = format_adapter_result(result, "cpu float32, 1 threads")
     assert "= 2.00x (target >= 1.50x, met)" in text and "= 0.80x (target >= 0.85x, NOT met)" in text
     assert "= 0.25x loraplex with 2 adapters" in text
+
+
+def test_the_cli_passes_bench_options_through(capsys):
+    from loraplex.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--workload", "vision", "--help"])
+    assert exit_info.value.code == 0
+    assert "--workload {equal,mixed,adapters,vision,all}" in capsys.readouterr().out.replace("\n", " ").replace("  ", " ")
