@@ -168,7 +168,7 @@ def make_shape_image(
     first = _background_colour(rng, colour, shape_rgb)  # type: ignore[arg-type]
     style = rng.random()
     image = Image.new("RGB", (width, height), first)
-    if style >= 0.5:  # a linear gradient (65% of the rest) or two tones, between two allowed colours
+    if style >= 0.5:  # half plain; else a linear gradient (35%) or two tones (15%) of two allowed colours
         second = _background_colour(rng, colour, shape_rgb)  # type: ignore[arg-type]
         horizontal = rng.random() < 0.5
         steps = width if horizontal else height

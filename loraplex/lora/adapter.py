@@ -286,20 +286,32 @@ class LoraAdapter:
 BaseShapes = Mapping[str, tuple[int, int]]
 # The base model's weight of a module, to check copies that PEFT saves beside the LoRA tensors.
 BaseWeight = Callable[[str], torch.Tensor]
+# A checkpoint tensor name -> the model's own name (see `adapter_from_tensors`).
+CheckpointName = Callable[[str], str]
+
+
+def _model_name(module: str, checkpoint_name: CheckpointName | None) -> str:
+    if checkpoint_name is None:
+        return module
+    return checkpoint_name(f"{module}.weight").removesuffix(".weight")
 
 
 def adapter_from_tensors(
     adapter_id: str, config: LoraConfig, tensors: Mapping[str, torch.Tensor], base: BaseShapes,
-    base_weight: BaseWeight | None = None,
+    base_weight: BaseWeight | None = None, checkpoint_name: CheckpointName | None = None,
 ) -> LoraAdapter:
-    """Check PEFT-named tensors against the config and the base model; build the adapter (float32, CPU)."""
+    """Check PEFT-named tensors against the config and the base model; build the adapter (float32, CPU).
+
+    `checkpoint_name` (families whose checkpoints come in several layouts, e.g. LLaVA-NeXT saved by
+    transformers 4) maps a base-model tensor name to the model's own: an adapter trained on the other
+    layout then loads too. The config's patterns are matched against the names as PEFT saw them."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         name = key.removeprefix(_PREFIX)
         if (copy := _BASE_COPY_KEY.match(name)) is not None:
             # PEFT saves the output head's base weights with an adapter that targets it; an unchanged
             # copy is harmless, a changed one (resized vocabulary, trained head) is not served.
-            _check_base_copy(key, copy["module"], tensor, base_weight)
+            _check_base_copy(key, _model_name(copy["module"], checkpoint_name), tensor, base_weight)
             continue
         if "lora_magnitude_vector" in name:
             raise AdapterInvalid(f"tensor {key}: DoRA (lora_magnitude_vector) is not served")
@@ -313,7 +325,8 @@ def adapter_from_tensors(
         raise AdapterInvalid("the adapter has no LoRA tensors")
 
     modules: dict[str, LoraWeights] = {}
-    for module, ab in sorted(parts.items()):
+    for saved, ab in sorted(parts.items()):
+        module = _model_name(saved, checkpoint_name)
         if set(ab) != {"A", "B"}:
             missing = ({"A", "B"} - set(ab)).pop()
             raise AdapterInvalid(f"module {module}: lora_{missing}.weight is missing")
@@ -321,11 +334,11 @@ def adapter_from_tensors(
             raise AdapterInvalid(
                 f"tensor {_PREFIX}{module}.lora_A.weight: the base model has no LoRA-capable linear {module!r}"
             )
-        if not config.targets(module):
-            raise AdapterInvalid(f"tensor {_PREFIX}{module}.lora_A.weight: module not in the config's target_modules")
+        if not config.targets(saved):
+            raise AdapterInvalid(f"tensor {_PREFIX}{saved}.lora_A.weight: module not in the config's target_modules")
         a, b = ab["A"], ab["B"]
         in_features, out_features = base[module]
-        rank = config.rank(module)
+        rank = config.rank(saved)
         for part, tensor, want in (("A", a, (rank, in_features)), ("B", b, (out_features, rank))):
             if tuple(tensor.shape) != want:
                 raise AdapterInvalid(
@@ -334,7 +347,7 @@ def adapter_from_tensors(
                 )
             if not tensor.is_floating_point():
                 raise AdapterInvalid(f"tensor {_PREFIX}{module}.lora_{part}.weight has dtype {tensor.dtype}; expected floats")
-        weights = LoraWeights(a.float().contiguous(), b.float().contiguous(), config.scale(module))
+        weights = LoraWeights(a.float().contiguous(), b.float().contiguous(), config.scale(saved))
         check_weights(_PREFIX + module, weights)
         modules[module] = weights
     return LoraAdapter(adapter_id, modules, config)
@@ -349,7 +362,8 @@ def _check_base_copy(key: str, module: str, tensor: torch.Tensor, base_weight: B
 
 
 def load_adapter_dir(
-    path: pathlib.Path, adapter_id: str, base: BaseShapes, max_rank: int, base_weight: BaseWeight | None = None
+    path: pathlib.Path, adapter_id: str, base: BaseShapes, max_rank: int, base_weight: BaseWeight | None = None,
+    checkpoint_name: CheckpointName | None = None,
 ) -> LoraAdapter:
     """Read a PEFT adapter directory (safetensors only: pickles are refused, never opened)."""
     from safetensors import SafetensorError
@@ -380,6 +394,6 @@ def load_adapter_dir(
             tensors = load_file(str(weights_path))
         except (SafetensorError, OSError, ValueError) as exc:
             raise AdapterInvalid(f"{ADAPTER_WEIGHTS} is not a valid safetensors file ({exc})") from exc
-        return adapter_from_tensors(adapter_id, config, tensors, base, base_weight)
+        return adapter_from_tensors(adapter_id, config, tensors, base, base_weight, checkpoint_name)
     except AdapterInvalid as exc:
         raise AdapterInvalid(f"adapter {adapter_id!r}: {exc}") from None

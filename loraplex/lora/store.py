@@ -38,6 +38,7 @@ from loraplex.lora.adapter import (
     AdapterNotFound,
     BaseShapes,
     BaseWeight,
+    CheckpointName,
     LoraAdapter,
     load_adapter_dir,
 )
@@ -75,10 +76,12 @@ class AdapterStore:
         loader_threads: int = 2,
         refusal_ttl_s: float = REFUSAL_TTL_S,
         clock: Callable[[], float] = time.monotonic,
+        checkpoint_name: CheckpointName | None = None,
     ) -> None:
         if default_source not in SOURCES:
             raise ValueError(f"unknown adapter source {default_source!r}; choose one of {', '.join(SOURCES)}")
         self.base_shapes, self.max_rank, self.base_weight = base_shapes, max_rank, base_weight
+        self.checkpoint_name = checkpoint_name  # the model's layout mapping, for adapters of another layout
         self.roots = [pathlib.Path(r).expanduser().resolve() for r in roots]
         for root in self.roots:
             if not root.is_dir():
@@ -187,7 +190,7 @@ class AdapterStore:
     def _read(self, key: str, adapter_id: str, source: str | None) -> LoraAdapter:
         source = self.source_of(source)
         path = self._local_dir(adapter_id) if source == "local" else _hub_dir(adapter_id)
-        return load_adapter_dir(path, key, self.base_shapes, self.max_rank, self.base_weight)
+        return load_adapter_dir(path, key, self.base_shapes, self.max_rank, self.base_weight, self.checkpoint_name)
 
     # ---- sources -----------------------------------------------------------------------------------
 

@@ -158,3 +158,39 @@ def test_mixed_adapters_base_images_and_text_in_one_batch(llava, requests, adapt
         engine = engine_for(ours, config, max_batch_total_tokens=4096, max_active_adapters=len(variants))
         engine.runner.stacked_rows_per_segment = threshold
         assert run(engine, [r for r, _, _ in jobs], [v for _, v, _ in jobs]) == [e for _, _, e in jobs], form
+
+
+def test_an_adapter_trained_on_the_transformers_4_layout_loads_the_same(llava, adapters, tmp_path):
+    """PEFT on transformers 4's LlavaNextForConditionalGeneration names modules `language_model.model.*`,
+    `vision_tower.vision_model.*`, `multi_modal_projector.*`, `language_model.lm_head`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hf, ours, config = llava
+    adapter, _ = adapters["everything"]
+    source = tmp_path / "v5"
+    peft_model(hf, seed=4, **LORA_CASES["everything"]).save_pretrained(str(source))
+    renames = [("base_model.model.model.language_model.", "base_model.model.language_model.model."),
+               ("base_model.model.model.vision_tower.", "base_model.model.vision_tower.vision_model."),
+               ("base_model.model.model.multi_modal_projector.", "base_model.model.multi_modal_projector."),
+               ("base_model.model.lm_head.", "base_model.model.language_model.lm_head.")]
+    tensors = {}
+    for key, tensor in load_file(str(source / "adapter_model.safetensors")).items():
+        for old, new in renames:
+            if key.startswith(old):
+                key = new + key[len(old):]
+        tensors[key] = tensor
+    old_layout = tmp_path / "v4"
+    shutil.copytree(source, old_layout)
+    save_file(tensors, str(old_layout / "adapter_model.safetensors"))
+    assert json.loads((old_layout / "adapter_config.json").read_text())["target_modules"]
+
+    shapes = engine_for(ours, config, max_active_adapters=1).lora.base_shapes
+    weight = lambda m: ours.get_submodule(m).weight  # noqa: E731
+    new = load_adapter_dir(source, "v5", shapes, 64, weight)
+    old = load_adapter_dir(old_layout, "v4", shapes, 64, weight, type(ours).checkpoint_name)
+    assert set(old.modules) == set(new.modules) and any("vision_tower" in m for m in old.modules)
+    for name, weights in new.modules.items():
+        assert torch.equal(old.modules[name].a, weights.a) and old.modules[name].scale == weights.scale
