@@ -77,18 +77,23 @@ def convert_gguf(gguf_file: str | os.PathLike, progress: Callable[[str], None] =
     src = pathlib.Path(gguf_file).expanduser().resolve()
     if not src.is_file():
         raise WeightsError(f"{gguf_file}: no such GGUF file")
-    final = gguf_cache_path(src)
+    return build_cached_dir(gguf_cache_path(src), lambda tmp: _convert_gguf_into(src, tmp, progress))
+
+
+def build_cached_dir(final: pathlib.Path, build: Callable[[pathlib.Path], None]) -> pathlib.Path:
+    """`final`, a cache entry holding a config.json: as it is, or made now by `build(tmp)` into a temporary
+    directory beside it that is then renamed into place (atomic: the entry appears whole or not at all)."""
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temp_dirs(final)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        _convert_gguf_into(src, tmp, progress)
+        build(tmp)
         try:
-            os.rename(tmp, final)  # atomic: the cache entry appears whole or not at all
+            os.rename(tmp, final)
         except OSError:
-            if not (final / "config.json").is_file():  # not a concurrent conversion that won the race
+            if not (final / "config.json").is_file():  # not a concurrent build that won the race
                 raise
     finally:
         if tmp.exists():

@@ -35,7 +35,6 @@ import pathlib
 import random
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -276,32 +275,21 @@ def example_model_dir(
     `AutoProcessor.from_pretrained(path)`. The first call (per change of the parts) takes a few seconds
     plus, on a fresh machine, the embedded model's GGUF conversion; later calls only hash the parts.
     """
-    from loraplex.gguf_convert import _remove_stale_temp_dirs, cache_dir
+    from loraplex.gguf_convert import build_cached_dir, cache_dir
     from loraplex.weights import resolve_model
 
     parts = pathlib.Path(parts_dir).expanduser().resolve() if parts_dir is not None else PARTS_DIR
     _parts_files(parts)  # a clear error before the base model is converted
     base = resolve_model(None, progress=progress).path
     final = cache_dir() / "vision" / f"smollm2-shapes-{_cache_key(parts, base)}"
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temp_dirs(final)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
+
+    def build(tmp: pathlib.Path) -> None:
         started = time.perf_counter()
         progress(f"assembling {EXAMPLE_VISION_MODEL_ID} from {parts} and {base} (once; cached in {final.parent})")
         assemble_example_model(tmp, parts_dir=parts, base_dir=base)
-        try:
-            os.rename(tmp, final)  # atomic: the cache entry appears whole or not at all
-        except OSError:
-            if not (final / "config.json").is_file():  # not a concurrent assembly that won the race
-                raise
         progress(f"assembled {EXAMPLE_VISION_MODEL_ID} in {time.perf_counter() - started:.1f}s")
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+
+    return build_cached_dir(final, build)
 
 
 def assemble_example_model(
