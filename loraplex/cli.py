@@ -37,6 +37,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=_env("MAX_LORA_RANK", 64, int))
     p.add_argument("--adapter-cycle-time-s", type=float, default=_env("ADAPTER_CYCLE_TIME_S", 2.0, float),
                    help="when more adapters wait than slots exist, how long one keeps its slot before yielding it")
+    p.add_argument("--chat-template", default=_env("CHAT_TEMPLATE"),
+                   help="a Jinja chat template file (for checkpoints that ship none, e.g. MPT)")
     p.add_argument("--adapter-source", default=_env("ADAPTER_SOURCE", "hub"), choices=["hub", "local"],
                    help="where adapter ids are looked up unless a request says otherwise")
     p.add_argument("--adapter-root", action="append", default=_env("ADAPTER_ROOT", None, lambda v: v.split(",")),
@@ -83,6 +85,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_active_adapters=args.max_active_adapters,
         max_lora_rank=args.max_lora_rank,
         adapter_cycle_time_s=args.adapter_cycle_time_s,
+        chat_template=args.chat_template,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import sys
 import time
 from dataclasses import dataclass
@@ -66,6 +67,8 @@ def load_model(
     state = load_state_dict(source, device=str(device), dtype=dtype, show_progress=show_progress)
     model = build_model(model_config, state)
     tokenizer = Tokenizer.from_pretrained(str(source.path), extra_eos_ids=_generation_eos_ids(source, model_config))
+    if config.chat_template:
+        tokenizer.hf.chat_template = pathlib.Path(config.chat_template).read_text()
     processor = _processor(source) if model_config.vision is not None else None
     log(f"model loaded in {time.perf_counter() - started:.1f}s")
     return LoadedModel(model, model_config, tokenizer, device, dtype, source.model_id, processor)

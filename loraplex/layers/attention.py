@@ -33,11 +33,16 @@ class AttentionBackend(Protocol):
 
 
 class PagedAttention(nn.Module):
-    """q [T, H, D], k/v [T, Hkv, D] for the step's new tokens -> output [T, H, D]."""
+    """q [T, H, D], k/v [T, Hkv, D] for the step's new tokens -> output [T, H, D].
+
+    Optional score modifiers: `sliding_window` (keys more than that many positions back are hidden) and
+    `alibi_slopes` [H] (ALiBi: `slope[h] * (key_pos - query_pos)` added to head h's scores, from absolute
+    positions). Without them a backend takes its plain causal path.
+    """
 
     def __init__(
         self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-        sliding_window: int | None = None,
+        sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
@@ -46,6 +51,17 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        if alibi_slopes is not None and tuple(alibi_slopes.shape) != (num_heads,):
+            raise ValueError(f"alibi_slopes must have shape ({num_heads},), got {tuple(alibi_slopes.shape)}")
+        # A plain attribute, not a buffer: derived from the config, never loaded, and it must survive
+        # building the model on the meta device (as RotaryEmbedding.inv_freq). Float32 on the CPU until used.
+        self.alibi_slopes = None if alibi_slopes is None else alibi_slopes.detach().float().cpu()
+
+    def alibi_on(self, device: torch.device) -> torch.Tensor:
+        """The slopes on `device` (moved there once)."""
+        if self.alibi_slopes.device != device:
+            self.alibi_slopes = self.alibi_slopes.to(device)
+        return self.alibi_slopes
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
@@ -117,11 +133,16 @@ class TorchAttentionBackend:
         # The query heads sharing a KV head ride as that head's query positions ([Bd, Hkv, H/Hkv, D]):
         # no copy of K/V per query head, and one mask row fits them all.
         batch = q.shape[0]
+        mask = visible[:, None, None, :]
+        if layer.alibi_slopes is not None:  # one mask row per query head: [Bd, Hkv, H/Hkv, max_len]
+            distance = key_pos[None, :] - (seq_lens[:, None] - 1)  # the query sits at seq_len - 1
+            slopes = layer.alibi_on(q.device).view(1, layer.num_kv_heads, -1, 1)
+            mask = _alibi_mask(slopes, distance[:, None, None, :], mask, q.dtype)
         out = F.scaled_dot_product_attention(
             q.view(batch, layer.num_kv_heads, -1, layer.head_dim),
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=visible[:, None, None, :],
+            attn_mask=mask,
             scale=layer.scale,
         )
         return out.reshape(batch, layer.num_heads, layer.head_dim)
@@ -132,7 +153,7 @@ class TorchAttentionBackend:
         # 4-D [1, H, T, D]: with a batch dimension, SDPA takes its fused CPU kernel (3-D falls back to math).
         qh, kh, vh = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
         gqa = layer.num_heads != layer.num_kv_heads
-        if context == 0 and layer.sliding_window is None:
+        if context == 0 and layer.sliding_window is None and layer.alibi_slopes is None:
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=layer.scale, enable_gqa=gqa)
         else:
             q_pos = torch.arange(context, seq_len, device=q.device)[:, None]
@@ -140,5 +161,18 @@ class TorchAttentionBackend:
             visible = k_pos <= q_pos
             if layer.sliding_window is not None:
                 visible &= k_pos > q_pos - layer.sliding_window
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, scale=layer.scale, enable_gqa=gqa)
+            mask = visible
+            if layer.alibi_slopes is not None:  # [1, H, new, seq_len]
+                slopes = layer.alibi_on(q.device).view(1, -1, 1, 1)
+                mask = _alibi_mask(slopes, (k_pos - q_pos)[None, None], visible[None, None], q.dtype)
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
         return out[0].transpose(0, 1)
+
+
+def _alibi_mask(slopes: torch.Tensor, distance: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float SDPA mask: `slope * (key_pos - query_pos)` where visible, -inf elsewhere (broadcast shapes).
+
+    The bias is formed in float32 (as MPT adds its float32 bias to the scores), then cast to the scores' dtype.
+    """
+    bias = slopes * distance.to(torch.float32)
+    return bias.masked_fill(~visible, float("-inf")).to(dtype)

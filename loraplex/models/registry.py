@@ -7,12 +7,14 @@ from torch import nn
 from loraplex.config import ModelConfig
 from loraplex.models.llama import LlamaForCausalLM
 from loraplex.models.llava_next import LlavaNextForConditionalGeneration
+from loraplex.models.mpt import MptForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "llava_next": LlavaNextForConditionalGeneration,
+    "mpt": MptForCausalLM,
 }
 
 

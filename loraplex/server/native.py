@@ -70,7 +70,10 @@ async def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
         raise BadRequest("best_of > 1 cannot be combined with a seed (each sequence needs its own)")
     text = body.inputs
     if p.apply_chat_template:
-        text = state.tokenizer.apply_chat_template(body.chat_messages())
+        try:
+            text = state.tokenizer.apply_chat_template(body.chat_messages())
+        except Exception as exc:  # no template, or the template refused these messages
+            raise BadRequest(f"inputs cannot be turned into a chat prompt: {exc}", "apply_chat_template") from exc
     # LoRAX's image form: ![](URL) in the text, each replaced by the model's image placeholder.
     text, urls = split_markdown_images(text, image_placeholder(state))
     prompt_ids, images = await encode_prompt(state, text, urls, not p.apply_chat_template, "inputs")
