@@ -21,6 +21,7 @@ from loraplex.layers.forward_context import ForwardContext, LoraRows, LoraSegmen
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.layers import LoraSlots
 from loraplex.params import SamplingParams
+from loraplex.weights import load_state_dict, resolve_model
 
 
 def tiny_hf_model(kind: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
@@ -88,6 +89,30 @@ def full_logits(
     with forward_context(ForwardContext(batch.metadata, runner.kv_caches, runner.backend, lora)):
         hidden = model(batch.input_ids, batch.positions)
         return model.compute_logits(hidden).float()
+
+
+def tiny_mpt(seed: int = 0, **attn):
+    """A random transformers MptForCausalLM (ALiBi) whose norms and biases are perturbed so they matter."""
+    import transformers
+
+    config = transformers.MptConfig(
+        d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=512, vocab_size=49152,
+        attn_config={"alibi": True, **attn},
+    )
+    torch.manual_seed(seed)
+    model = transformers.MptForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def load_ours(hf, path) -> tuple[torch.nn.Module, ModelConfig]:
+    hf.save_pretrained(path)
+    source = resolve_model(path)
+    config = ModelConfig.from_hf(source.hf_config)
+    return build_model(config, load_state_dict(source)), config
 
 
 def free_port() -> int:

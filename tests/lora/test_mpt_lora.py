@@ -11,9 +11,8 @@ import torch
 
 from loraplex.lora.adapter import load_adapter_dir
 from loraplex.params import SamplingParams
-from tests.helpers import engine_for
+from tests.helpers import engine_for, load_ours, tiny_mpt
 from tests.lora.peft_helpers import peft_model
-from tests.server.test_mpt_http import load_ours, tiny_mpt
 
 NEW = 8
 PARAMS = SamplingParams(max_new_tokens=NEW, ignore_eos=True)

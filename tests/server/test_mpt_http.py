@@ -9,37 +9,13 @@ import httpx
 import pytest
 import torch
 
-from loraplex.config import EngineConfig, ModelConfig
+from loraplex.config import EngineConfig
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import Engine
-from loraplex.engine.loading import LoadedModel, build_model
+from loraplex.engine.loading import LoadedModel
 from loraplex.server.app import create_app
 from loraplex.tokenizer import Tokenizer
-from loraplex.weights import load_state_dict, resolve_model
-
-
-def tiny_mpt(seed: int = 0, **attn):
-    """A random transformers MptForCausalLM (ALiBi) whose norms and biases are perturbed so they matter."""
-    import transformers
-
-    config = transformers.MptConfig(
-        d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=512, vocab_size=49152,
-        attn_config={"alibi": True, **attn},
-    )
-    torch.manual_seed(seed)
-    model = transformers.MptForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
-
-
-def load_ours(hf, path) -> tuple[torch.nn.Module, ModelConfig]:
-    hf.save_pretrained(path)
-    source = resolve_model(path)
-    config = ModelConfig.from_hf(source.hf_config)
-    return build_model(config, load_state_dict(source)), config
+from tests.helpers import load_ours, tiny_mpt
 
 
 @pytest.fixture(scope="module")
