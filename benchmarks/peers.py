@@ -15,7 +15,10 @@ from benchmarks.workload import Workload
 def load_hf_model(path: str | os.PathLike, attn_implementation: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    except ValueError:  # families transformers runs only eagerly (MPT)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 
