@@ -12,7 +12,7 @@ from loraplex.engine.images import ImageInputs
 from loraplex.lora.adapter import load_adapter_dir
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for
-from tests.lora.peft_helpers import peft_model
+from tests.lora.peft_helpers import peft_model, save_and_load
 from tests.models.test_llava_next_parity import IMAGE_TOKEN, TALL, WIDE, image, inputs, processor, saved, tiny_llava
 
 NEW = 6
@@ -129,9 +129,8 @@ def adapters(llava, requests, tmp_path_factory):
     out = {}
     for seed, (name, kwargs) in enumerate(LORA_CASES.items()):
         model = peft_model(hf, seed=seed + 1, **kwargs)
-        directory = tmp_path_factory.mktemp(name)
-        model.save_pretrained(str(directory))
-        adapter = load_adapter_dir(directory, name, shapes, 64, lambda m: ours.get_submodule(m).weight)
+        adapter = save_and_load(model, tmp_path_factory.mktemp(name), name, shapes,
+                                base_weight=lambda m: ours.get_submodule(m).weight)
         out[name] = (adapter, [hf_greedy(model, *r) for r in requests])
     return out
 

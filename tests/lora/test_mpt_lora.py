@@ -9,10 +9,9 @@ import random
 import pytest
 import torch
 
-from loraplex.lora.adapter import load_adapter_dir
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for, load_ours, tiny_mpt
-from tests.lora.peft_helpers import peft_model
+from tests.lora.peft_helpers import peft_model, save_and_load
 
 NEW = 8
 PARAMS = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
@@ -51,9 +50,7 @@ def adapters(mpt, prompts, tmp_path_factory):
     out = {}
     for seed, (name, kwargs) in enumerate(CASES.items()):
         model = peft_model(hf, seed=seed + 1, **kwargs)
-        directory = tmp_path_factory.mktemp(name)
-        model.save_pretrained(str(directory))
-        out[name] = (load_adapter_dir(directory, name, shapes, 64), [greedy(model, p) for p in prompts])
+        out[name] = (save_and_load(model, tmp_path_factory.mktemp(name), name, shapes), [greedy(model, p) for p in prompts])
     return out
 
 
