@@ -13,6 +13,8 @@ from typing import Any
 from loraplex.multimodal.config import MediaConfig
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+T5_FAMILY = ("t5", "mt5")
+BART_FAMILY = ("bart", "mbart")
 # Activations our CLIP tower and LLaVA projector implement (models/clip.py holds the functions).
 VISION_ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh")
 
@@ -73,6 +75,44 @@ class MptConfig:
 
 
 @dataclass(frozen=True)
+class EncoderDecoderConfig:
+    """What an encoder-decoder family (T5, BART) adds: its encoder's depth and how decoding starts and
+    ends. `forced_bos_token_id` / `forced_eos_token_id` (from the generation config, else config.json)
+    force the first token, and the token at the last step `max_new_tokens` allows, as transformers does."""
+
+    num_encoder_layers: int
+    decoder_start_token_id: int
+    max_source_positions: int | None = None  # BART's learned positions bound the encoder input; T5 has none
+    forced_bos_token_id: int | None = None
+    forced_eos_token_id: int | None = None
+
+
+@dataclass(frozen=True)
+class T5Settings:
+    """T5's own settings: the feed-forward kind, relative position buckets and the head's rescale."""
+
+    feed_forward_act: str  # relu (T5 v1.0) | gelu_new (v1.1, Flan-T5, mT5) | gelu | silu ...
+    gated: bool  # v1.1: act(wi_0 x) * wi_1 x
+    num_buckets: int = 32
+    max_distance: int = 128
+    # T5 v1.0 (tied head) multiplies the decoder output by d_model^-0.5 before the head; v1.1 does not.
+    scale_decoder_outputs: bool = True
+
+
+@dataclass(frozen=True)
+class BartSettings:
+    """BART / mBART: learned positions (offset 2), embedding scale, norms around the layers, head bias."""
+
+    activation: str = "gelu"
+    scale_embedding: bool = False
+    normalize_before: bool = False  # mBART: pre-norm layers plus final encoder/decoder layer norms
+    add_final_layer_norm: bool = False
+    layernorm_embedding: bool = True
+    encoder_ffn_dim: int = 4096
+    encoder_attention_heads: int = 16
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -94,6 +134,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     vision: VisionConfig | None = None  # models that take images (llava_next)
     mpt: MptConfig | None = None  # MPT's own settings (model_type "mpt")
+    encoder_decoder: EncoderDecoderConfig | None = None  # T5 and BART (num_layers etc. describe the decoder)
+    t5: T5Settings | None = None
+    bart: BartSettings | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -102,8 +145,12 @@ class ModelConfig:
             return _llava_next_from_hf(hf)
         if model_type == "mpt":
             return _mpt_from_hf(hf)
+        if model_type in T5_FAMILY:
+            return _t5_from_hf(hf)
+        if model_type in BART_FAMILY:
+            return _bart_from_hf(hf)
         if model_type not in LLAMA_FAMILY:
-            supported = ", ".join((*LLAMA_FAMILY, "llava_next", "mpt"))
+            supported = ", ".join((*LLAMA_FAMILY, "llava_next", "mpt", *T5_FAMILY, *BART_FAMILY))
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {supported}")
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
@@ -294,6 +341,116 @@ def _mpt_from_hf(hf: dict[str, Any]) -> ModelConfig:
             logit_scale=None if logit_scale is None else float(logit_scale),
         ),
     )
+
+
+T5_ACTIVATIONS = ("relu", "gelu", "gelu_new", "gelu_pytorch_tanh", "silu")
+
+
+def _t5_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """T5 v1.0, v1.1 / Flan-T5 and mT5. The shared fields describe the decoder (its layers hold the KV cache)."""
+    proj = hf.get("feed_forward_proj", "relu")
+    parts = proj.split("-") if isinstance(proj, str) else []
+    _check("feed_forward_proj", proj, len(parts) in (1, 2) and (len(parts) == 1 or parts[0] == "gated"),
+           "expected ACT or gated-ACT")
+    act = "gelu_new" if proj == "gated-gelu" else parts[-1]  # transformers reads "gated-gelu" as gelu_new
+    _check("feed_forward_proj", proj, act in T5_ACTIVATIONS, f"supported activations: {', '.join(T5_ACTIVATIONS)}")
+    d_model, heads, d_kv = hf["d_model"], hf["num_heads"], hf["d_kv"]
+    num_layers = hf.get("num_layers", 6)
+    # transformers 5 saves `scale_decoder_outputs` and always `tie_word_embeddings: true`; older configs say
+    # `tie_word_embeddings: false` for v1.1 (no rescale, own head).
+    tie = hf.get("tie_word_embeddings", True) is not False
+    scale = hf.get("scale_decoder_outputs", tie)
+    eos = hf.get("eos_token_id", 1)
+    start = hf.get("decoder_start_token_id")
+    start = hf.get("pad_token_id", 0) if start is None else start
+    _check("decoder_start_token_id", start, isinstance(start, int) and 0 <= start < hf["vocab_size"], "not a token id")
+    return ModelConfig(
+        model_type=hf.get("model_type", "t5"),
+        vocab_size=hf["vocab_size"],
+        hidden_size=d_model,
+        intermediate_size=hf["d_ff"],
+        num_layers=hf.get("num_decoder_layers") or num_layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=d_kv,
+        rms_norm_eps=float(hf.get("layer_norm_epsilon", 1e-6)),
+        max_position_embeddings=UNBOUNDED_POSITIONS,  # relative positions: no learned limit
+        rope=RopeConfig(),  # unused
+        tie_word_embeddings=tie,
+        hidden_act=act,
+        bos_token_id=None,
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        encoder_decoder=EncoderDecoderConfig(
+            num_encoder_layers=num_layers,
+            decoder_start_token_id=start,
+            forced_bos_token_id=hf.get("forced_bos_token_id"),
+            forced_eos_token_id=hf.get("forced_eos_token_id"),
+        ),
+        t5=T5Settings(
+            feed_forward_act=act,
+            gated=len(parts) == 2,
+            num_buckets=hf.get("relative_attention_num_buckets", 32),
+            max_distance=hf.get("relative_attention_max_distance", 128),
+            scale_decoder_outputs=bool(scale),
+        ),
+    )
+
+
+BART_ACTIVATIONS = ("gelu", "relu", "gelu_new", "silu", "tanh")
+
+
+def _bart_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """BART and mBART (mBART: pre-norm layers and final layer norms). Shared fields describe the decoder."""
+    model_type = hf.get("model_type", "bart")
+    d_model = hf.get("d_model", 1024)
+    heads = hf.get("decoder_attention_heads", 16)
+    enc_heads = hf.get("encoder_attention_heads", 16)
+    act = hf.get("activation_function", "gelu")
+    _check("activation_function", act, act in BART_ACTIVATIONS, f"supported: {', '.join(BART_ACTIVATIONS)}")
+    _check("decoder_attention_heads", heads, d_model % heads == 0, f"does not divide d_model {d_model}")
+    _check("encoder_attention_heads", enc_heads, d_model % enc_heads == 0, f"does not divide d_model {d_model}")
+    mbart = model_type == "mbart"
+    eos = hf.get("eos_token_id", 2)
+    start = hf.get("decoder_start_token_id", 2)
+    _check("decoder_start_token_id", start, isinstance(start, int) and 0 <= start < hf["vocab_size"], "not a token id")
+    positions = hf.get("max_position_embeddings", 1024)
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=hf["vocab_size"],
+        hidden_size=d_model,
+        intermediate_size=hf.get("decoder_ffn_dim", 4096),
+        num_layers=hf.get("decoder_layers", 12),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=d_model // heads,
+        rms_norm_eps=1e-5,  # nn.LayerNorm's default, which BART uses
+        max_position_embeddings=positions,
+        rope=RopeConfig(),  # unused
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        hidden_act=act,
+        bos_token_id=hf.get("bos_token_id", 0),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        encoder_decoder=EncoderDecoderConfig(
+            num_encoder_layers=hf.get("encoder_layers", 12),
+            decoder_start_token_id=start,
+            max_source_positions=positions,
+            forced_bos_token_id=hf.get("forced_bos_token_id"),
+            forced_eos_token_id=hf.get("forced_eos_token_id", 2),
+        ),
+        bart=BartSettings(
+            activation=act,
+            scale_embedding=bool(hf.get("scale_embedding", False)),
+            normalize_before=mbart or bool(hf.get("normalize_before", False)),
+            add_final_layer_norm=mbart or bool(hf.get("add_final_layer_norm", False)),
+            layernorm_embedding=True,
+            encoder_ffn_dim=hf.get("encoder_ffn_dim", 4096),
+            encoder_attention_heads=enc_heads,
+        ),
+    )
+
+
+# Families whose positions are relative (T5) have no learned position limit; the engine's limits apply.
+UNBOUNDED_POSITIONS = 1 << 30
 
 
 def _check(field: str, value: Any, ok: bool, why: str) -> None:

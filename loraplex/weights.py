@@ -173,9 +173,10 @@ def safetensors_files(path: pathlib.Path, model_id: str | None = None) -> list[p
 
 def load_state_dict(
     source: ModelSource | str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-    show_progress: bool = False,
+    show_progress: bool = False, keep_float32: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """All tensors of a model's safetensors (sharded or not), on `device`; floating tensors cast to `dtype`.
+    """All tensors of a model's safetensors (sharded or not), on `device`; floating tensors cast to `dtype`
+    (those `keep_float32` names, to float32).
 
     `show_progress` draws a progress bar over the tensors on stderr (the server's start-up).
     """
@@ -198,8 +199,9 @@ def load_state_dict(
                 if key in state:
                     raise WeightsError(f"tensor {key!r} appears in both {origin[key]} and {file.name}")
                 tensor = f.get_tensor(key)
-                if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-                    tensor = tensor.to(dtype)
+                target = torch.float32 if keep_float32 is not None and keep_float32(key) else dtype
+                if target is not None and tensor.is_floating_point() and tensor.dtype != target:
+                    tensor = tensor.to(target)
                 state[key] = tensor
                 origin[key] = file.name
     bar.close()

@@ -18,7 +18,7 @@ from loraplex.engine.images import ImageInputs
 from loraplex.engine.kv_cache import blocks_for
 from loraplex.engine.loading import LoadedModel, load_model
 from loraplex.engine.request import FinishReason, Request
-from loraplex.engine.runner import ModelRunner, StepResult
+from loraplex.engine.runner import ForcedTokens, ModelRunner, StepResult
 from loraplex.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.layers import LoraSlots
@@ -86,9 +86,11 @@ class Engine:
         # Adapters of the requests in the engine, with how many requests use each.
         self._adapters: dict[str, tuple[LoraAdapter, int]] = {}
         mc = loaded.config
+        encdec = mc.encoder_decoder
+        forced = ForcedTokens(encdec.forced_bos_token_id, encdec.forced_eos_token_id) if encdec else None
         self.runner = ModelRunner(
             loaded.model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, config.block_size,
-            loaded.device, loaded.dtype, lora=self.lora,
+            loaded.device, loaded.dtype, lora=self.lora, forced_tokens=forced,
         )
         self._streams: dict[str, _Stream] = {}
         self._next_id = 0
@@ -140,6 +142,10 @@ class Engine:
             raise RequestRefused(
                 f"prompt has {len(prompt_ids)} tokens; must be <= {self.config.max_input_length} (max input length)"
             )
+        encoder_ids = None
+        if self.is_encoder_decoder:  # the prompt is the encoder's input; the decoder starts from one token
+            encoder_ids, prompt_ids = list(prompt_ids), [self.model_config.encoder_decoder.decoder_start_token_id]
+            self._check_encoder_input(encoder_ids, params)
         limit = self.max_total_tokens
         if len(prompt_ids) + params.max_new_tokens > limit:
             raise RequestRefused(
@@ -149,7 +155,9 @@ class Engine:
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        request = Request(request_id, list(prompt_ids), params, seed, time.monotonic(), images=images)
+        request = Request(
+            request_id, list(prompt_ids), params, seed, time.monotonic(), images=images, encoder_ids=encoder_ids
+        )
         if adapter is not None:
             self._use_adapter(adapter)
             request.adapter_id = adapter.adapter_id
@@ -176,6 +184,24 @@ class Engine:
         self._drop_adapter(request.adapter_id)
         self._streams.pop(request.request_id, None)
         self.runner.forget(request.request_id)
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.model_config.encoder_decoder is not None
+
+    def _check_encoder_input(self, encoder_ids: list[int], params: SamplingParams) -> None:
+        """The encoder input must fit the model's positions and, with the decoder's longest sequence,
+        the KV cache (its cross-attention states take blocks too)."""
+        most = self.model_config.encoder_decoder.max_source_positions
+        if most is not None and len(encoder_ids) > most:
+            raise RequestRefused(f"prompt has {len(encoder_ids)} tokens; the model's encoder takes at most {most}")
+        bs = self.scheduler.config.block_size
+        needed = blocks_for(len(encoder_ids), bs) + blocks_for(1 + params.max_new_tokens, bs)
+        if needed > self.scheduler.config.num_blocks:
+            raise RequestRefused(
+                f"prompt tokens ({len(encoder_ids)}) and max_new_tokens ({params.max_new_tokens}) need "
+                f"{needed * bs} KV cache slots; the cache has {self.kv_capacity_tokens}"
+            )
 
     @property
     def takes_images(self) -> bool:
@@ -311,7 +337,8 @@ class Engine:
     def _final_output(self, request: Request, token: TokenInfo, stream: _Stream, now: float) -> RequestOutput:
         text = stream.detokenizer.text[: stream.text_end] if stream.detokenizer else ""
         prompt_tokens = None
-        if request.params.prompt_logprobs and request.prompt_logprobs is not None:
+        # An encoder's input is encoded, not predicted: it has no logprobs (None: the caller says so).
+        if request.params.prompt_logprobs and request.prompt_logprobs is not None and request.encoder_ids is None:
             prompt_tokens = [self._token_info(t, lp) for t, lp in zip(request.prompt_ids, request.prompt_logprobs)]
         timings = {
             "queue": (request.first_scheduled_time or now) - request.arrival_time,
@@ -321,7 +348,7 @@ class Engine:
         return RequestOutput(
             request.request_id, token, finished=True, finish_reason=request.finish_reason, generated_text=text,
             token_ids=list(request.output_ids),
-            prompt_tokens=prompt_tokens, num_prompt_tokens=len(request.prompt_ids),
+            prompt_tokens=prompt_tokens, num_prompt_tokens=request.num_input_tokens,
             num_generated_tokens=len(request.output_ids), seed=request.seed, timings=timings,
         )
 

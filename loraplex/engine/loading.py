@@ -6,7 +6,7 @@ import json
 import pathlib
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -48,11 +48,37 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor]) -> nn.Module:
-    """Our model for `config`, built on the meta device and filled from `state` (every weight used)."""
+    """Our model for `config`, built on the meta device and filled from `state` (every weight used).
+
+    A config that ties the head to the embedding while the checkpoint holds a different head gets its own
+    head, as transformers does (transformers 5 saves T5 v1.1 / Flan-T5 with `tie_word_embeddings: true`).
+    """
     with torch.device("meta"):
         model = model_class(config)(config)
+    if config.tie_word_embeddings and _head_differs_in(state, model):
+        with torch.device("meta"):
+            model = model_class(config)(replace(config, tie_word_embeddings=False))
     load_into(model, state)
     return model.eval()
+
+
+def _head_differs_in(state: dict[str, torch.Tensor], model: nn.Module) -> bool:
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    if head is None:
+        return False
+    rename = getattr(model, "checkpoint_name", None) or (lambda name: name)
+    by_name = {rename(key): key for key in state}
+    tied = [state[by_name[n]] for n, t in model.state_dict(keep_vars=True).items() if t is head and n in by_name]
+    return any(t.shape != tied[0].shape or not torch.equal(t, tied[0]) for t in tied[1:])
+
+
+def float32_names(config: ModelConfig, dtype: torch.dtype):
+    """Which checkpoint tensors stay float32 in half precision (the family's `keep_in_float32` modules,
+    as transformers keeps T5's `wo`); None when nothing does."""
+    keep = getattr(model_class(config), "keep_in_float32", ())
+    if not keep or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return lambda name: any(part in keep for part in name.split(".")[:-1])
 
 
 def load_model(
@@ -60,11 +86,14 @@ def load_model(
 ) -> LoadedModel:
     started = time.perf_counter()
     source: ModelSource = resolve_model(config.model_id)
-    model_config = ModelConfig.from_hf(source.hf_config)
+    model_config = with_generation_config(ModelConfig.from_hf(source.hf_config), _generation_config(source))
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
     log(f"loading {source.model_id} ({model_config.num_layers} layers) on {device} as {str(dtype).removeprefix('torch.')}")
-    state = load_state_dict(source, device=str(device), dtype=dtype, show_progress=show_progress)
+    state = load_state_dict(
+        source, device=str(device), dtype=dtype, show_progress=show_progress,
+        keep_float32=float32_names(model_config, dtype),
+    )
     model = build_model(model_config, state)
     tokenizer = Tokenizer.from_pretrained(str(source.path), extra_eos_ids=_generation_eos_ids(source, model_config))
     if config.chat_template:
@@ -83,11 +112,28 @@ def _processor(source: ModelSource):
         raise ValueError(f"{source.model_id} takes images but has no usable processor files ({exc})") from exc
 
 
+def _generation_config(source: ModelSource) -> dict[str, Any]:
+    path = source.path / "generation_config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def with_generation_config(config: ModelConfig, generation: dict[str, Any]) -> ModelConfig:
+    """An encoder-decoder config with the generation config's decoder start and forced tokens (which
+    win over config.json's, as in transformers)."""
+    encdec = config.encoder_decoder
+    if encdec is None:
+        return config
+    fields = ("decoder_start_token_id", "forced_bos_token_id", "forced_eos_token_id")
+    found = {f: generation[f] for f in fields if f in generation and (f != "decoder_start_token_id" or generation[f] is not None)}
+    for name, value in found.items():
+        if value is not None and not (isinstance(value, int) and 0 <= value < config.vocab_size):
+            raise ValueError(f"generation_config.json: {name} {value!r} is not a token id")
+    return replace(config, encoder_decoder=replace(encdec, **found)) if found else config
+
+
 def _generation_eos_ids(source: ModelSource, config: ModelConfig) -> tuple[int, ...]:
     """EOS ids from the model config and generation_config.json (Llama 3 lists several)."""
     ids = set(config.eos_token_ids)
-    path = source.path / "generation_config.json"
-    if path.exists():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    eos = _generation_config(source).get("eos_token_id")
+    ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return tuple(sorted(ids))

@@ -45,10 +45,20 @@ class Request:
     # Its images (an engine.images.ImageInputs), already expanded into placeholder tokens in prompt_ids;
     # the scheduler only ever sees the token counts.
     images: Any = None
+    # Encoder-decoder models: the encoder's input (what the client sent; `prompt_ids` is then the decoder's
+    # start, [decoder_start_token_id]), and the KV blocks holding its cross-attention states while running.
+    # The encoder runs at the request's first step after each admission (num_computed_tokens == 0).
+    encoder_ids: list[int] | None = None
+    cross_block_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_input_tokens(self) -> int:
+        """What the client's prompt came to: the encoder's input, or the decoder prompt."""
+        return len(self.encoder_ids) if self.encoder_ids is not None else len(self.prompt_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -18,6 +18,7 @@ from loraplex.layers.attention import AttentionBackend, TorchAttentionBackend
 from loraplex.layers.forward_context import (
     AttentionMetadata,
     DecodeGroup,
+    EncoderMetadata,
     ForwardContext,
     LoraRows,
     forward_context,
@@ -50,6 +51,27 @@ class _Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
+    # Encoder-decoder models: the inputs of the encoders that run this step (None: none runs).
+    encoder_ids: torch.Tensor | None = None
+    encoder_positions: torch.Tensor | None = None
+    encoding: list[int] = field(default_factory=list)  # the step's sequences whose encoder runs
+
+
+@dataclass(frozen=True)
+class ForcedTokens:
+    """Tokens an encoder-decoder checkpoint's generation config forces (transformers' ForcedBOS/EOS
+    logits processors): `bos` as the first generated token, `eos` as the last one max_new_tokens allows."""
+
+    bos: int | None = None
+    eos: int | None = None
+
+    def for_request(self, request) -> int | None:
+        generated = len(request.output_ids)
+        if self.bos is not None and generated == 0:
+            return self.bos
+        if self.eos is not None and generated == request.params.max_new_tokens - 1:
+            return self.eos
+        return None
 
 
 def group_by_length(
@@ -80,7 +102,7 @@ class ModelRunner:
     def __init__(
         self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
         block_size: int, device: torch.device, dtype: torch.dtype, backend: AttentionBackend | None = None,
-        lora: LoraSlots | None = None,
+        lora: LoraSlots | None = None, forced_tokens: ForcedTokens | None = None,
     ) -> None:
         self.model = model
         self.lora = lora  # the engine's device slots (None: no adapters)
@@ -94,6 +116,9 @@ class ModelRunner:
         # Per-request image features while prompts are prefilled (models that take images only).
         self.image_features = ImageFeatures() if hasattr(model, "encode_images") else None
         self.stacked_rows_per_segment = STACKED_ROWS_PER_SEGMENT.get(device.type, 8)
+        # Encoder-decoder models: each request's encoder runs at its first step (after each admission).
+        self.encoder_decoder = hasattr(model, "encode")
+        self.forced_tokens = forced_tokens or ForcedTokens()
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], fresh_blocks: Sequence[int] = ()) -> list[StepResult]:
@@ -116,6 +141,10 @@ class ModelRunner:
         slots = [item.request.adapter_slot for item in scheduled]
         starts = batch.metadata.query_start_loc
         lora = self._lora_rows(slots, [starts[i + 1] - starts[i] for i in range(len(slots))])
+        if lora is not None and batch.encoding:  # encoder rows (and the states made from them) by request
+            lora.encoder = lora_segments(
+                [slots[i] for i in batch.encoding], [len(scheduled[i].request.encoder_ids) for i in batch.encoding]
+            )
         ctx = ForwardContext(batch.metadata, self.kv_caches, self.backend, lora)
         results = [StepResult() for _ in scheduled]
         with forward_context(ctx):
@@ -127,6 +156,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[rows])
                 logits, sample_seqs = self._drop_non_finite(logits, sample_seqs, results)
                 requests = [scheduled[i].request for i in sample_seqs]
+                self._force_tokens(logits, requests)
                 out = self.sampler(
                     logits,
                     [r.params for r in requests],
@@ -145,6 +175,11 @@ class ModelRunner:
         return results
 
     def _forward(self, scheduled: list[ScheduledRequest], batch: "_Batch", lora: LoraRows | None) -> torch.Tensor:
+        if self.encoder_decoder:
+            encoded = None
+            if batch.encoder_ids is not None:  # several requests' encoders in one call, rows concatenated
+                encoded = self.model.encode(batch.encoder_ids, batch.encoder_positions)
+            return self.model(batch.input_ids, batch.positions, encoder_hidden=encoded)
         if self.image_features is None:
             return self.model(batch.input_ids, batch.positions)
         embeds = step_input_embeds(
@@ -161,6 +196,14 @@ class ModelRunner:
         """Drop what the runner holds for a request that left the engine."""
         if self.image_features is not None:
             self.image_features.drop(request_id)
+
+    def _force_tokens(self, logits: torch.Tensor, requests: list) -> None:
+        """Rows whose next token the checkpoint forces: every other token's logit becomes -inf."""
+        for row, request in enumerate(requests):
+            token = self.forced_tokens.for_request(request)
+            if token is not None:
+                logits[row] = float("-inf")
+                logits[row, token] = 0.0
 
     @staticmethod
     def _drop_non_finite(
@@ -263,4 +306,36 @@ class ModelRunner:
             ],
             prefill_seqs=prefill_seqs,
         )
-        return _Batch(long(input_ids), long(positions), metadata)
+        batch = _Batch(long(input_ids), long(positions), metadata)
+        if self.encoder_decoder:
+            self._add_encoder(scheduled, batch)
+        return batch
+
+    def _add_encoder(self, scheduled: list[ScheduledRequest], batch: _Batch) -> None:
+        """Encoder rows of the requests at their first step, and where every sequence's cross-attention
+        states live (its own blocks; table padded with its own last block)."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        for s, item in enumerate(scheduled):
+            request = item.request
+            assert request.encoder_ids and request.cross_block_ids, "an encoder-decoder request without its states"
+            if request.num_computed_tokens == 0:
+                n = len(request.encoder_ids)
+                batch.encoding.append(s)
+                ids += request.encoder_ids
+                positions += range(n)
+                slots += [request.cross_block_ids[p // bs] * bs + p % bs for p in range(n)]
+                query_start_loc.append(query_start_loc[-1] + n)
+        widest = max(len(item.request.cross_block_ids) for item in scheduled)
+        tables = [b + b[-1:] * (widest - len(b)) for b in (item.request.cross_block_ids for item in scheduled)]
+        lens = [len(item.request.encoder_ids) for item in scheduled]
+
+        def long(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        batch.metadata.encoder = EncoderMetadata(query_start_loc, long(slots), long(tables), lens, long(lens))
+        if ids:
+            batch.encoder_ids, batch.encoder_positions = long(ids), long(positions)

@@ -8,6 +8,9 @@ Policy:
   running-request cap and the free KV blocks (less a small watermark) allow. A prompt longer than the
   budget is prefilled in chunks over several steps.
 - No admission in a step that had to preempt: the cache is full, admitting would only thrash.
+- An encoder-decoder request also holds KV blocks for its cross-attention states (its encoder input's
+  length), taken at admission and freed with the rest; its encoder tokens count against the prefill
+  budget of the step that admits it (the encoder runs then, whole: it cannot be chunked).
 - A request for an adapter is admitted only when its adapter holds, or can take, a device slot (see
   `AdapterSlots`: pinned while used, LRU reuse, fair rotation). A request that cannot have a slot yet
   is passed over; requests behind it still start. So at most `num_adapter_slots` distinct adapters
@@ -72,7 +75,7 @@ class Scheduler:
         assert request.request_id not in self._by_id, f"duplicate request id {request.request_id}"
         # The engine refuses longer requests, so a request running alone always fits.
         longest = len(request.prompt_ids) + request.params.max_new_tokens
-        assert blocks_for(longest, self.config.block_size) <= self.config.num_blocks, (
+        assert blocks_for(longest, self.config.block_size) + self._cross_blocks(request) <= self.config.num_blocks, (
             "request can never fit the KV cache; the engine must refuse it"
         )
         request.status = RequestStatus.WAITING
@@ -128,7 +131,7 @@ class Scheduler:
                 break
             if n > 1:
                 budget -= n
-            request.block_ids.extend(self.allocator.allocate(needed))
+            self._allocate(request, needed)
             out.scheduled.append(ScheduledRequest(request, n))
             index += 1
 
@@ -151,12 +154,13 @@ class Scheduler:
             if request.adapter_id is not None and not self._take_slot(request, out):
                 passed_over.append(request)
                 continue
-            request.block_ids.extend(self.allocator.allocate(needed))
+            self._allocate(request, needed)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, n))
             if n > 1:
                 budget -= n
+            budget -= len(request.encoder_ids or ())
         self.waiting.extendleft(reversed(passed_over))  # they keep their place in the queue
 
     def _take_slot(self, request: Request, out: SchedulerOutput) -> bool:
@@ -174,8 +178,21 @@ class Scheduler:
     # ---- helpers -------------------------------------------------------------------------------
 
     def _blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """KV blocks to add so the request can compute `num_new_tokens` more (its cross-attention
+        states' blocks included, when it has none yet)."""
         total = request.num_computed_tokens + num_new_tokens
-        return max(0, blocks_for(total, self.config.block_size) - len(request.block_ids))
+        own = max(0, blocks_for(total, self.config.block_size) - len(request.block_ids))
+        return own + (0 if request.cross_block_ids else self._cross_blocks(request))
+
+    def _cross_blocks(self, request: Request) -> int:
+        return blocks_for(len(request.encoder_ids), self.config.block_size) if request.encoder_ids else 0
+
+    def _allocate(self, request: Request, needed: int) -> None:
+        if request.encoder_ids and not request.cross_block_ids:
+            cross = self._cross_blocks(request)
+            request.cross_block_ids = self.allocator.allocate(cross)
+            needed -= cross
+        request.block_ids.extend(self.allocator.allocate(needed))
 
     def _preempt(self, request: Request) -> Request:
         """Recompute preemption: forget the request's KV; it re-enters the queue at the front."""
@@ -194,5 +211,5 @@ class Scheduler:
             request.adapter_slot = None
 
     def _release_blocks(self, request: Request) -> None:
-        self.allocator.free(request.block_ids)
-        request.block_ids = []
+        self.allocator.free(request.block_ids + request.cross_block_ids)
+        request.block_ids, request.cross_block_ids = [], []

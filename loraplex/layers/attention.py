@@ -3,11 +3,16 @@
 A backend owns the KV cache layout: `allocate_kv_cache` makes one cache per layer and `forward`
 writes a step's new keys/values into it and attends over each sequence's cached context. The plain
 PyTorch backend here runs on CPU and CUDA; GPU kernels plug in as other backends.
+
+Encoder-decoder models use two more kinds (layers/encoder_attention.py): `encoder_forward`, bidirectional
+attention within each sequence of encoder rows (no cache), and `cross_forward`, decoder rows attending to
+their own request's cross-attention states, which live in KV blocks of the same cache (see
+`EncoderMetadata`).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,18 +36,32 @@ class AttentionBackend(Protocol):
         kv_cache: object, md: AttentionMetadata,
     ) -> torch.Tensor: ...
 
+    def encoder_forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """Encoder rows (md.encoder.query_start_loc): each sequence attends to all of its own rows."""
+        ...
+
+    def cross_forward(
+        self, layer, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: object,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Step rows attend to their sequence's cross-attention states; `k`/`v` (encoder rows, or None)
+        are states computed this step, stored first at md.encoder.slot_mapping."""
+        ...
+
 
 class PagedAttention(nn.Module):
     """q [T, H, D], k/v [T, Hkv, D] for the step's new tokens -> output [T, H, D].
 
-    Optional score modifiers: `sliding_window` (keys more than that many positions back are hidden) and
+    Optional score modifiers: `sliding_window` (keys more than that many positions back are hidden),
     `alibi_slopes` [H] (ALiBi: `slope[h] * (key_pos - query_pos)` added to head h's scores, from absolute
-    positions). Without them a backend takes its plain causal path.
+    positions) and `position_bias` (a callable mapping `key_pos - query_pos` [...] to a float32 bias
+    [..., H]: T5's relative position buckets). Without them a backend takes its plain causal path.
     """
 
     def __init__(
         self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
         sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None,
+        position_bias: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
@@ -56,6 +75,19 @@ class PagedAttention(nn.Module):
         # A plain attribute, not a buffer: derived from the config, never loaded, and it must survive
         # building the model on the meta device (as RotaryEmbedding.inv_freq). Float32 on the CPU until used.
         self.alibi_slopes = None if alibi_slopes is None else alibi_slopes.detach().float().cpu()
+        assert alibi_slopes is None or position_bias is None, "one kind of position bias per layer"
+        self.position_bias = position_bias
+
+    @property
+    def has_score_bias(self) -> bool:
+        return self.alibi_slopes is not None or self.position_bias is not None
+
+    def score_bias(self, distance: torch.Tensor) -> torch.Tensor:
+        """Float32 bias [..., H] added to the scores, for `key_pos - query_pos` [...] (int64)."""
+        if self.alibi_slopes is not None:
+            return distance[..., None].to(torch.float32) * self.alibi_on(distance.device)
+        assert self.position_bias is not None, "score_bias called on a layer without one"
+        return self.position_bias(distance)
 
     def alibi_on(self, device: torch.device) -> torch.Tensor:
         """The slopes on `device` (moved there once)."""
@@ -111,6 +143,62 @@ class TorchAttentionBackend:
             out[start:end] = self._prefill(layer, q[start:end], keys, values, seq_len)
         return out
 
+    def encoder_forward(self, layer, q, k, v, md):
+        enc = md.encoder
+        out = torch.empty_like(q)
+        gqa = layer.num_heads != layer.num_kv_heads
+        for s in range(len(enc.query_start_loc) - 1):
+            start, end = enc.query_start_loc[s], enc.query_start_loc[s + 1]
+            qh, kh, vh = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))
+            mask = None
+            if layer.has_score_bias:  # [1, H, L, L]
+                pos = torch.arange(end - start, device=q.device)
+                mask = layer.score_bias(pos[None, :] - pos[:, None]).permute(2, 0, 1)[None].to(q.dtype)
+            attended = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
+            out[start:end] = attended[0].transpose(0, 1)
+        return out
+
+    def cross_forward(self, layer, q, k, v, kv_cache, md):
+        enc = md.encoder
+        key_cache, value_cache = kv_cache
+        if k is not None:
+            num_kv_heads, head_dim = key_cache.shape[2:]
+            key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, enc.slot_mapping, k)
+            value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, enc.slot_mapping, v)
+        out = torch.empty_like(q)
+        starts = md.query_start_loc
+        # Every sequence attends over its own states only, padded to the longest of the step and masked.
+        keys, values = self._gather(key_cache, value_cache, enc.block_tables, enc.max_len)
+        visible = torch.arange(enc.max_len, device=q.device)[None, :] < enc.lens_tensor[:, None]  # [B, max_len]
+        decode = [s for s in range(md.num_seqs) if starts[s + 1] - starts[s] == 1]
+        if decode:
+            seqs = torch.tensor(decode, device=q.device)
+            rows = torch.tensor([starts[s] for s in decode], device=q.device)
+            batch = len(decode)
+            attended = F.scaled_dot_product_attention(
+                q[rows].view(batch, layer.num_kv_heads, -1, layer.head_dim),
+                keys[seqs].transpose(1, 2),
+                values[seqs].transpose(1, 2),
+                attn_mask=visible[seqs][:, None, None, :],
+                scale=layer.scale,
+            )
+            out[rows] = attended.reshape(batch, layer.num_heads, layer.head_dim)
+        gqa = layer.num_heads != layer.num_kv_heads
+        for s in range(md.num_seqs):
+            start, end = starts[s], starts[s + 1]
+            if end - start == 1:
+                continue
+            length = enc.lens[s]
+            attended = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1)[None],
+                keys[s, :length].transpose(0, 1)[None],
+                values[s, :length].transpose(0, 1)[None],
+                scale=layer.scale,
+                enable_gqa=gqa,
+            )
+            out[start:end] = attended[0].transpose(0, 1)
+        return out
+
     @staticmethod
     def _gather(key_cache, value_cache, block_tables, max_len):
         """[B, blocks] -> keys/values [B, max_len, Hkv, D] (padding rows hold stale data; mask them)."""
@@ -134,10 +222,10 @@ class TorchAttentionBackend:
         # no copy of K/V per query head, and one mask row fits them all.
         batch = q.shape[0]
         mask = visible[:, None, None, :]
-        if layer.alibi_slopes is not None:  # one mask row per query head: [Bd, Hkv, H/Hkv, max_len]
+        if layer.has_score_bias:  # one mask row per query head: [Bd, Hkv, H/Hkv, max_len]
             distance = key_pos[None, :] - (seq_lens[:, None] - 1)  # the query sits at seq_len - 1
-            slopes = layer.alibi_on(q.device).view(1, layer.num_kv_heads, -1, 1)
-            mask = _alibi_mask(slopes, distance[:, None, None, :], mask, q.dtype)
+            bias = layer.score_bias(distance).permute(0, 2, 1).reshape(batch, layer.num_kv_heads, -1, max_len)
+            mask = _biased_mask(bias, mask, q.dtype)
         out = F.scaled_dot_product_attention(
             q.view(batch, layer.num_kv_heads, -1, layer.head_dim),
             keys.transpose(1, 2),
@@ -153,7 +241,7 @@ class TorchAttentionBackend:
         # 4-D [1, H, T, D]: with a batch dimension, SDPA takes its fused CPU kernel (3-D falls back to math).
         qh, kh, vh = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
         gqa = layer.num_heads != layer.num_kv_heads
-        if context == 0 and layer.sliding_window is None and layer.alibi_slopes is None:
+        if context == 0 and layer.sliding_window is None and not layer.has_score_bias:
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=layer.scale, enable_gqa=gqa)
         else:
             q_pos = torch.arange(context, seq_len, device=q.device)[:, None]
@@ -162,17 +250,14 @@ class TorchAttentionBackend:
             if layer.sliding_window is not None:
                 visible &= k_pos > q_pos - layer.sliding_window
             mask = visible
-            if layer.alibi_slopes is not None:  # [1, H, new, seq_len]
-                slopes = layer.alibi_on(q.device).view(1, -1, 1, 1)
-                mask = _alibi_mask(slopes, (k_pos - q_pos)[None, None], visible[None, None], q.dtype)
+            if layer.has_score_bias:  # [1, H, new, seq_len]
+                bias = layer.score_bias(k_pos - q_pos).permute(2, 0, 1)[None]
+                mask = _biased_mask(bias, visible[None, None], q.dtype)
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
         return out[0].transpose(0, 1)
 
 
-def _alibi_mask(slopes: torch.Tensor, distance: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A float SDPA mask: `slope * (key_pos - query_pos)` where visible, -inf elsewhere (broadcast shapes).
-
-    The bias is formed in float32 (as MPT adds its float32 bias to the scores), then cast to the scores' dtype.
-    """
-    bias = slopes * distance.to(torch.float32)
+def _biased_mask(bias: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float SDPA mask: the float32 score bias where visible, -inf elsewhere (broadcast shapes), cast to
+    the scores' dtype (MPT adds its float32 ALiBi bias to the scores; T5 its bias in the weights' dtype)."""
     return bias.masked_fill(~visible, float("-inf")).to(dtype)

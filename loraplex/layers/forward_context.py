@@ -24,6 +24,28 @@ class DecodeGroup:
 
 
 @dataclass
+class EncoderMetadata:
+    """The encoder side of an encoder-decoder step.
+
+    Encoder rows: the concatenated inputs of the requests whose encoder runs this step (each request's
+    rows contiguous: `query_start_loc` [E + 1]); their cross-attention states are written at
+    `slot_mapping` in every decoder layer's cache. Cross-attention states of all the step's sequences:
+    sequence s reads `lens[s]` states from the blocks of `block_tables[s]` (per-request blocks of the
+    same KV cache, so they are allocated and counted like the decoder's own).
+    """
+
+    query_start_loc: list[int]
+    slot_mapping: torch.Tensor  # [E rows] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int64
+    lens: list[int]  # [B] encoder length of each of the step's sequences
+    lens_tensor: torch.Tensor  # the same, [B] int64 on the model's device
+
+    @property
+    def max_len(self) -> int:
+        return max(self.lens)
+
+
+@dataclass
 class AttentionMetadata:
     """Flat description of one step's sequences. Tensors live on the model's device.
 
@@ -39,6 +61,7 @@ class AttentionMetadata:
     # Sequences that compute exactly one token (decode rows), batched in groups of similar length.
     decode_groups: list["DecodeGroup"]
     prefill_seqs: list[int]  # the other sequences, handled one by one
+    encoder: EncoderMetadata | None = None  # encoder-decoder models only
 
     @property
     def num_seqs(self) -> int:
@@ -84,6 +107,10 @@ class LoraRows:
     # Image tiles seen by a vision tower and its projector, in units of tiles (the first dimension of
     # their [tiles, seq, features] inputs); set by the runner before it encodes a step's images.
     patches: list[LoraSegment] = field(default_factory=list)
+    # Encoder-decoder models: the rows of the encoders that run this step, each request's rows using its
+    # adapter; `states` (the cross-attention key/value projections of the encoder's output) sees the
+    # same rows in the same order.
+    encoder: list[LoraSegment] = field(default_factory=list)
     # For steps of many short segments: the step's adapters stacked (a lora `Stack`: per layer its A
     # and B stacks, only for layers some adapter targets), and per row kind how rows map onto the
     # stack's groups. None: use the segments.
@@ -91,7 +118,9 @@ class LoraRows:
     groups: dict[str, LoraGroups] = field(default_factory=dict)
 
     def segments(self, kind: str) -> list[LoraSegment]:
-        return {"tokens": self.tokens, "logits": self.logits, "patches": self.patches}[kind]
+        if kind == "states":
+            return self.encoder
+        return {"tokens": self.tokens, "logits": self.logits, "patches": self.patches, "encoder": self.encoder}[kind]
 
 
 def lora_segments(slots: list[int | None], row_counts: list[int]) -> list[LoraSegment]:

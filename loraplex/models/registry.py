@@ -8,6 +8,7 @@ from loraplex.config import ModelConfig
 from loraplex.models.llama import LlamaForCausalLM
 from loraplex.models.llava_next import LlavaNextForConditionalGeneration
 from loraplex.models.mpt import MptForCausalLM
+from loraplex.models.t5 import T5ForConditionalGeneration
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -15,6 +16,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "llava_next": LlavaNextForConditionalGeneration,
     "mpt": MptForCausalLM,
+    "t5": T5ForConditionalGeneration,
+    "mt5": T5ForConditionalGeneration,
 }
 
 
