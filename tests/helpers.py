@@ -117,6 +117,82 @@ def encoder_decoder_logits(
         return model.compute_logits(hidden).float()
 
 
+def tiny_t5(gated: bool = False, seed: int = 0, vocab_size: int = 300, **overrides):
+    """A random transformers T5ForConditionalGeneration: v1.0 (ReLU, tied head) or, `gated`, v1.1
+    (gated-GELU), with encoder and decoder of different depths and few position buckets (so inputs longer
+    than 20 tokens reach the logarithmic ones). Weights are drawn wide enough that greedy tokens vary,
+    norms perturbed so they matter."""
+    import transformers
+
+    config = transformers.T5Config(**{
+        **dict(vocab_size=vocab_size, d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=3, num_heads=4,
+               feed_forward_proj="gated-gelu" if gated else "relu", tie_word_embeddings=not gated,
+               decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+               relative_attention_num_buckets=8, relative_attention_max_distance=20),
+        **overrides,
+    })
+    torch.manual_seed(seed)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif "relative_attention_bias" in name:
+                p.normal_(0, 2.0)
+            elif p.dim() == 2:
+                p.normal_(0, 1.5 / p.shape[1] ** 0.5)
+    return model
+
+
+_TOKENIZER_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "translate English to German: the house is wonderful.",
+    "summarize: studies have shown that owning a dog is good for you, and the world answers.",
+    "A tiny model says hello to the world; numbers 0 1 2 3 4 5 6 7 8 9 and punctuation , . ! ? : ;",
+]
+
+
+def tiny_seq2seq_tokenizer(kind: str):
+    """A real (trained, saved, reloadable) tokenizer for tiny T5 or BART checkpoints: T5's is SentencePiece
+    style (Unigram, Metaspace, </s> appended, <pad>=0 </s>=1 <unk>=2); BART's byte-level BPE
+    (<s> ... </s>, <s>=0 <pad>=1 </s>=2 <unk>=3)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    if kind == "t5":
+        # A fixed vocabulary (Unigram training is not deterministic): specials, characters, whole words.
+        words = sorted({w for line in _TOKENIZER_TEXT for w in line.split()})
+        chars = sorted({c for line in _TOKENIZER_TEXT for c in line if c != " "})
+        pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+        pieces += [(c, -5.0) for c in chars] + [("\u2581" + c, -5.5) for c in chars]
+        pieces += [("\u2581" + w, -3.0) for w in words]
+        tok = Tokenizer(models.Unigram(pieces, unk_id=2))
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+        return transformers.T5TokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", unk_token="<unk>", extra_ids=0)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(_TOKENIZER_TEXT * 5, trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=alphabet))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+@torch.inference_mode()
+def hf_seq2seq_greedy(model, encoder_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    """transformers' greedy tokens for one encoder input, EOS not a stop (decoder start dropped)."""
+    out = model.generate(
+        torch.tensor([encoder_ids]), do_sample=False, max_new_tokens=max_new_tokens, use_cache=False,
+        **{"eos_token_id": None, **kwargs},
+    )
+    tokens = out[0, 1:].tolist()
+    assert len(tokens) == max_new_tokens, f"generate stopped early: {tokens}"
+    return tokens
+
+
 def tiny_mpt(seed: int = 0, **attn):
     """A random transformers MptForCausalLM (ALiBi) whose norms and biases are perturbed so they matter."""
     import transformers

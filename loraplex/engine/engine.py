@@ -189,6 +189,11 @@ class Engine:
     def is_encoder_decoder(self) -> bool:
         return self.model_config.encoder_decoder is not None
 
+    def sequence_tokens_of_prompt(self, num_prompt_tokens: int) -> int:
+        """How much of a sequence's max total tokens a prompt takes: all of it for a decoder; for an
+        encoder-decoder model only the decoder's start token (the prompt is the encoder's input)."""
+        return 1 if self.is_encoder_decoder else num_prompt_tokens
+
     def _check_encoder_input(self, encoder_ids: list[int], params: SamplingParams) -> None:
         """The encoder input must fit the model's positions and, with the decoder's longest sequence,
         the KV cache (its cross-attention states take blocks too)."""

@@ -132,6 +132,9 @@ class BestOfSequence(_SequenceDetails):
 
 class Details(_SequenceDetails):
     prompt_tokens: int
+    # Why `prefill` is empty although decoder_input_details was asked for (an encoder-decoder model's
+    # input is encoded, not predicted: its tokens have no logprobs).
+    prefill_note: str | None = None
     best_of_sequences: list[BestOfSequence] | None = None
 
 

@@ -18,10 +18,11 @@ def check_prompt_and_budget(
             prompt_field,
         )
     max_total = state.core.max_total_tokens
-    if len(prompt_ids) + max_new_tokens > max_total:
+    in_sequence = state.core.sequence_tokens_of_prompt(len(prompt_ids))
+    if in_sequence + max_new_tokens > max_total:
+        what = f"{prompt_field} tokens" if in_sequence == len(prompt_ids) else "the decoder's start token"
         raise BadRequest(
-            f"{prompt_field} tokens + {max_new_field} must be <= {max_total} (max total tokens); "
-            f"got {len(prompt_ids)} + {max_new_tokens}",
+            f"{what} + {max_new_field} must be <= {max_total} (max total tokens); got {in_sequence} + {max_new_tokens}",
             max_new_field,
         )
 

@@ -122,6 +122,11 @@ def headers(state: ServerState, prepared: Prepared, final: RequestOutput, starte
 
 
 
+ENCODER_PREFILL_NOTE = (
+    "prefill logprobs are not defined for an encoder-decoder model: its input is encoded, not predicted"
+)
+
+
 def sampled_seed(params: SamplingParams, seed: int | None) -> int | None:
     return None if params.greedy else seed
 
@@ -137,6 +142,7 @@ async def generate_json(state: ServerState, body: GenerateRequest) -> JSONRespon
     final = best.final
     details = None
     if body.parameters.details:
+        asked_prefill = body.parameters.decoder_input_details
         prefill = [Token.of(t) for t in final.prompt_tokens or []]
         others = [
             BestOfSequence(
@@ -150,6 +156,7 @@ async def generate_json(state: ServerState, body: GenerateRequest) -> JSONRespon
             finish_reason=final.finish_reason.value, prompt_tokens=final.num_prompt_tokens,
             generated_tokens=final.num_generated_tokens, seed=sampled_seed(prepared.params, final.seed),
             prefill=prefill, tokens=[Token.of(t) for t in best.tokens], best_of_sequences=others or None,
+            prefill_note=ENCODER_PREFILL_NOTE if asked_prefill and state.core.is_encoder_decoder else None,
         )
     response = GenerateResponse(generated_text=prepared.prefix + final.generated_text, details=details)
     return JSONResponse(_prune(response.model_dump()), headers=headers(state, prepared, final, started))
@@ -268,5 +275,7 @@ async def info(request: Request):
         "max_batch_prefill_tokens": core.config.max_batch_prefill_tokens,
         "block_size": core.config.block_size,
         "input_modalities": ["text", "image"] if core.takes_images else ["text"],
+        "model_type": core.model_config.model_type,
+        "is_encoder_decoder": core.is_encoder_decoder,
         "version": __version__,
     }

@@ -187,7 +187,8 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> list[
     except Exception as exc:  # no template, or the template refused these messages
         raise BadRequest(f"messages cannot be turned into a prompt: {exc}", "messages") from exc
     ids, images = await encode_prompt(state, prompt, urls, False, "messages")
-    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, state.core.max_total_tokens - len(ids))
+    room = state.core.max_total_tokens - state.core.sequence_tokens_of_prompt(len(ids))
+    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, room)
     check_prompt_and_budget(state, ids, max_tokens, "messages", "max_tokens")
     top_n = (body.top_logprobs or 0) if body.logprobs else 0
     params = sampling_params(state, body, max_tokens, top_n)
