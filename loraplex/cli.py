@@ -11,6 +11,7 @@ import sys
 
 from loraplex.config import EngineConfig, ServerConfig
 from loraplex.multimodal.config import MediaConfig
+from loraplex.quantization import QUANTIZE_CHOICES, QuantizationError
 
 
 def _env(name: str, default=None, cast=str):
@@ -39,6 +40,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="when more adapters wait than slots exist, how long one keeps its slot before yielding it")
     p.add_argument("--chat-template", default=_env("CHAT_TEMPLATE"),
                    help="a Jinja chat template file (for checkpoints that ship none, e.g. MPT)")
+    p.add_argument("--quantize", default=_env("QUANTIZE"), choices=QUANTIZE_CHOICES,
+                   help="quantize the base model's linears with bitsandbytes: int8 (LLM.int8), nf4 or fp4 "
+                        "(LoRA adapters run on top in the model's dtype)")
     p.add_argument("--adapter-source", default=_env("ADAPTER_SOURCE", "hub"), choices=["hub", "local"],
                    help="where adapter ids are looked up unless a request says otherwise")
     p.add_argument("--adapter-root", action="append", default=_env("ADAPTER_ROOT", None, lambda v: v.split(",")),
@@ -86,6 +90,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_lora_rank=args.max_lora_rank,
         adapter_cycle_time_s=args.adapter_cycle_time_s,
         chat_template=args.chat_template,
+        quantize=args.quantize,
     )
 
 
@@ -150,7 +155,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock.bind((args.hostname, args.port))
     sock.listen(2048)
     ready = (
-        f"loraplex ready: {engine.model_id} on {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
+        f"loraplex ready: {engine.model_id} on {engine.device} ({str(engine.dtype).removeprefix('torch.')}"
+        f"{', quantized ' + args.quantize if args.quantize else ''}), "
         f"KV cache {engine.kv_capacity_tokens} tokens, http://{args.hostname}:{args.port}"
     )
     print(ready, file=sys.stderr, flush=True)
@@ -227,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().parse_args(argv)  # reports the unrecognised arguments and exits
     try:
         return args.func(args)
-    except AdapterError as exc:  # a preloaded or --adapter-id adapter that cannot be served
+    except (AdapterError, QuantizationError) as exc:  # an adapter, or a --quantize, that cannot be served
         print(f"loraplex: error: {exc}", file=sys.stderr)
         return 2
 

@@ -84,7 +84,7 @@ class EncoderDecoderConfig:
     decoder_start_token_id: int
     max_source_positions: int | None = None  # BART's learned positions bound the encoder input; T5 has none
     forced_bos_token_id: int | None = None
-    forced_eos_token_id: int | None = None
+    forced_eos_token_ids: tuple[int, ...] = ()  # a config's forced_eos_token_id: one id or a list
 
 
 @dataclass(frozen=True)
@@ -359,7 +359,8 @@ def _t5_from_hf(hf: dict[str, Any]) -> ModelConfig:
     # transformers 5 saves `scale_decoder_outputs` and always `tie_word_embeddings: true`; older configs say
     # `tie_word_embeddings: false` for v1.1 (no rescale, own head).
     tie = hf.get("tie_word_embeddings", True) is not False
-    scale = hf.get("scale_decoder_outputs", tie)
+    # mT5 never rescales (transformers 5's MT5 has no rescale at all; its configs all said untied before).
+    scale = hf.get("scale_decoder_outputs", tie) and hf.get("model_type") != "mt5"
     eos = hf.get("eos_token_id", 1)
     start = hf.get("decoder_start_token_id")
     start = hf.get("pad_token_id", 0) if start is None else start
@@ -383,8 +384,8 @@ def _t5_from_hf(hf: dict[str, Any]) -> ModelConfig:
         encoder_decoder=EncoderDecoderConfig(
             num_encoder_layers=num_layers,
             decoder_start_token_id=start,
-            forced_bos_token_id=hf.get("forced_bos_token_id"),
-            forced_eos_token_id=hf.get("forced_eos_token_id"),
+            forced_bos_token_id=token_id("forced_bos_token_id", hf.get("forced_bos_token_id"), hf["vocab_size"]),
+            forced_eos_token_ids=token_ids("forced_eos_token_id", hf.get("forced_eos_token_id"), hf["vocab_size"]),
         ),
         t5=T5Settings(
             feed_forward_act=act,
@@ -411,7 +412,9 @@ def _bart_from_hf(hf: dict[str, Any]) -> ModelConfig:
     _check("encoder_attention_heads", enc_heads, d_model % enc_heads == 0, f"does not divide d_model {d_model}")
     mbart = model_type == "mbart"
     eos = hf.get("eos_token_id", 2)
-    start = hf.get("decoder_start_token_id", 2)
+    # mBART's config has none (transformers' generate then starts from bos_token_id); BART's default is 2.
+    start = hf.get("decoder_start_token_id", None if mbart else 2)
+    start = hf.get("bos_token_id", 0) if start is None else start
     _check("decoder_start_token_id", start, isinstance(start, int) and 0 <= start < hf["vocab_size"], "not a token id")
     positions = hf.get("max_position_embeddings", 1024)
     return ModelConfig(
@@ -434,14 +437,16 @@ def _bart_from_hf(hf: dict[str, Any]) -> ModelConfig:
             num_encoder_layers=hf.get("encoder_layers", 12),
             decoder_start_token_id=start,
             max_source_positions=positions,
-            forced_bos_token_id=hf.get("forced_bos_token_id"),
-            forced_eos_token_id=hf.get("forced_eos_token_id", 2),
+            forced_bos_token_id=token_id("forced_bos_token_id", hf.get("forced_bos_token_id"), hf["vocab_size"]),
+            forced_eos_token_ids=token_ids("forced_eos_token_id", hf.get("forced_eos_token_id", 2), hf["vocab_size"]),
         ),
         bart=BartSettings(
             activation=act,
             scale_embedding=bool(hf.get("scale_embedding", False)),
-            normalize_before=mbart or bool(hf.get("normalize_before", False)),
-            add_final_layer_norm=mbart or bool(hf.get("add_final_layer_norm", False)),
+            # transformers decides by model_type alone: BART configs' fairseq keys (normalize_before,
+            # add_final_layer_norm, normalize_embedding ...) are ignored, mBART is always pre-norm.
+            normalize_before=mbart,
+            add_final_layer_norm=mbart,
             layernorm_embedding=True,
             encoder_ffn_dim=hf.get("encoder_ffn_dim", 4096),
             encoder_attention_heads=enc_heads,
@@ -451,6 +456,19 @@ def _bart_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 # Families whose positions are relative (T5) have no learned position limit; the engine's limits apply.
 UNBOUNDED_POSITIONS = 1 << 30
+
+
+def token_id(field: str, value: Any, vocab_size: int) -> int | None:
+    """A config's optional token id (None stays None), checked against the vocabulary."""
+    if value is not None:
+        _check(field, value, isinstance(value, int) and 0 <= value < vocab_size, "not a token id")
+    return value
+
+
+def token_ids(field: str, value: Any, vocab_size: int) -> tuple[int, ...]:
+    """A config's token id or list of them, as a tuple (None: empty)."""
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    return tuple(token_id(field, v, vocab_size) for v in values)
 
 
 def _check(field: str, value: Any, ok: bool, why: str) -> None:
@@ -501,6 +519,7 @@ class EngineConfig:
     max_lora_rank: int = 64
     adapter_cycle_time_s: float = 2.0
     chat_template: str | None = None  # a Jinja chat template file, for checkpoints that ship none (or to override)
+    quantize: str | None = None  # bitsandbytes | bitsandbytes-nf4 | bitsandbytes-fp4 (LoRAX's --quantize)
 
 
 @dataclass(frozen=True)

@@ -93,14 +93,15 @@ def full_logits(
 
 @torch.inference_mode()
 def encoder_decoder_logits(
-    model, config: ModelConfig, encoder_ids: list[int], decoder_ids: list[int], adapter: LoraAdapter | None = None
+    model, config: ModelConfig, encoder_ids: list[int], decoder_ids: list[int], adapter: LoraAdapter | None = None,
+    device: str = "cpu",
 ) -> torch.Tensor:
     """Decoder logits at every position of `decoder_ids` given `encoder_ids`, through our engine's path
     (one step: the encoder runs, its cross-attention states are stored, the decoder ids are prefilled).
 
     With `adapter`, every row of every kind uses it (a one-slot table of its own)."""
-    dtype = next(model.parameters()).dtype
-    runner = ModelRunner(model, config.num_layers, config.num_kv_heads, config.head_dim, 64, 16, torch.device("cpu"), dtype)
+    dtype = next(model.parameters()).dtype  # the embedding: the compute dtype (T5 may keep its wo in float32)
+    runner = ModelRunner(model, config.num_layers, config.num_kv_heads, config.head_dim, 64, 16, torch.device(device), dtype)
     request = Request("probe", list(decoder_ids), SamplingParams(max_new_tokens=1), 0, 0.0, encoder_ids=list(encoder_ids))
     own = -(-len(decoder_ids) // 16)
     request.block_ids = list(range(own))
@@ -108,10 +109,11 @@ def encoder_decoder_logits(
     batch = runner._build_batch([ScheduledRequest(request, len(decoder_ids))])
     lora = None
     if adapter is not None:
-        slots = LoraSlots(model, 1, torch.device("cpu"), dtype)
+        slots = LoraSlots(model, 1, torch.device(device), dtype)
         slots.install(0, adapter)
         rows = [LoraSegment(0, 0, len(decoder_ids))]
-        lora = LoraRows(tokens=rows, logits=rows, weights=slots.tables, encoder=[LoraSegment(0, 0, len(encoder_ids))])
+        lora = LoraRows(tokens=rows, logits=rows, weights=slots.tables, encoder=[LoraSegment(0, 0, len(encoder_ids))],
+                        dtype=dtype)
     with forward_context(ForwardContext(batch.metadata, runner.kv_caches, runner.backend, lora)):
         hidden = runner._forward([ScheduledRequest(request, len(decoder_ids))], batch, lora)
         return model.compute_logits(hidden).float()

@@ -87,7 +87,7 @@ class Engine:
         self._adapters: dict[str, tuple[LoraAdapter, int]] = {}
         mc = loaded.config
         encdec = mc.encoder_decoder
-        forced = ForcedTokens(encdec.forced_bos_token_id, encdec.forced_eos_token_id) if encdec else None
+        forced = ForcedTokens(encdec.forced_bos_token_id, encdec.forced_eos_token_ids) if encdec else None
         self.runner = ModelRunner(
             loaded.model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, config.block_size,
             loaded.device, loaded.dtype, lora=self.lora, forced_tokens=forced,

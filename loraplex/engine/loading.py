@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from loraplex.config import EngineConfig, ModelConfig
+from loraplex.config import EngineConfig, ModelConfig, token_id, token_ids
 from loraplex.models.registry import model_class
+from loraplex.quantization import check_quantize, quantize_model, weight_bytes
 from loraplex.tokenizer import Tokenizer
 from loraplex.weights import ModelSource, load_into, load_state_dict, resolve_model
 
@@ -58,7 +59,14 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor]) -> nn.Modul
     if config.tie_word_embeddings and _head_differs_in(state, model):
         with torch.device("meta"):
             model = model_class(config)(replace(config, tie_word_embeddings=False))
-    load_into(model, state)
+    # A family may name tensors its checkpoints can lack (zeros then, as transformers initialises BART's
+    # final_logits_bias) and ones they can hold that it does not use (fairseq's `version`).
+    for name in getattr(model, "optional_checkpoint_tensors", ()):
+        if name not in state:
+            like = model.get_buffer(name) if name in dict(model.named_buffers()) else model.get_parameter(name)
+            weights = next(t for t in state.values() if t.is_floating_point())  # the loaded dtype and device
+            state = {**state, name: torch.zeros(like.shape, dtype=weights.dtype, device=weights.device)}
+    load_into(model, state, ignore_patterns=getattr(model, "unused_checkpoint_tensors", ()))
     return model.eval()
 
 
@@ -89,12 +97,19 @@ def load_model(
     model_config = with_generation_config(ModelConfig.from_hf(source.hf_config), _generation_config(source))
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
+    quantize = getattr(config, "quantize", None)
+    if quantize:  # refused before any weight is read
+        check_quantize(quantize, device, dtype)
     log(f"loading {source.model_id} ({model_config.num_layers} layers) on {device} as {str(dtype).removeprefix('torch.')}")
     state = load_state_dict(
         source, device=str(device), dtype=dtype, show_progress=show_progress,
         keep_float32=float32_names(model_config, dtype),
     )
     model = build_model(model_config, state)
+    if quantize:
+        del state  # the float weights go as their linears are replaced
+        replaced = quantize_model(model, quantize, device, dtype)
+        log(f"quantized {replaced} linears ({quantize}); weights take {weight_bytes(model) / 2**30:.2f} GiB")
     tokenizer = Tokenizer.from_pretrained(str(source.path), extra_eos_ids=_generation_eos_ids(source, model_config))
     if config.chat_template:
         tokenizer.hf.chat_template = pathlib.Path(config.chat_template).read_text()
@@ -123,11 +138,14 @@ def with_generation_config(config: ModelConfig, generation: dict[str, Any]) -> M
     encdec = config.encoder_decoder
     if encdec is None:
         return config
-    fields = ("decoder_start_token_id", "forced_bos_token_id", "forced_eos_token_id")
-    found = {f: generation[f] for f in fields if f in generation and (f != "decoder_start_token_id" or generation[f] is not None)}
-    for name, value in found.items():
-        if value is not None and not (isinstance(value, int) and 0 <= value < config.vocab_size):
-            raise ValueError(f"generation_config.json: {name} {value!r} is not a token id")
+    vocab, found = config.vocab_size, {}
+    where = "generation_config.json: "
+    if generation.get("decoder_start_token_id") is not None:
+        found["decoder_start_token_id"] = token_id(where + "decoder_start_token_id", generation["decoder_start_token_id"], vocab)
+    if "forced_bos_token_id" in generation:
+        found["forced_bos_token_id"] = token_id(where + "forced_bos_token_id", generation["forced_bos_token_id"], vocab)
+    if "forced_eos_token_id" in generation:
+        found["forced_eos_token_ids"] = token_ids(where + "forced_eos_token_id", generation["forced_eos_token_id"], vocab)
     return replace(config, encoder_decoder=replace(encdec, **found)) if found else config
 
 

@@ -60,18 +60,20 @@ class _Batch:
 @dataclass(frozen=True)
 class ForcedTokens:
     """Tokens an encoder-decoder checkpoint's generation config forces (transformers' ForcedBOS/EOS
-    logits processors): `bos` as the first generated token, `eos` as the last one max_new_tokens allows."""
+    logits processors): `bos` as the first generated token, one of `eos` (a config may list several; the
+    lowest id wins the tie, as transformers' argmax) as the last one max_new_tokens allows."""
 
     bos: int | None = None
-    eos: int | None = None
+    eos: tuple[int, ...] = ()
 
-    def for_request(self, request) -> int | None:
+    def for_request(self, request) -> tuple[int, ...]:
+        """The tokens this request's next step is restricted to (empty: no restriction)."""
         generated = len(request.output_ids)
         if self.bos is not None and generated == 0:
-            return self.bos
-        if self.eos is not None and generated == request.params.max_new_tokens - 1:
+            return (self.bos,)
+        if self.eos and generated == request.params.max_new_tokens - 1:
             return self.eos
-        return None
+        return ()
 
 
 def group_by_length(
@@ -200,10 +202,10 @@ class ModelRunner:
     def _force_tokens(self, logits: torch.Tensor, requests: list) -> None:
         """Rows whose next token the checkpoint forces: every other token's logit becomes -inf."""
         for row, request in enumerate(requests):
-            token = self.forced_tokens.for_request(request)
-            if token is not None:
+            tokens = self.forced_tokens.for_request(request)
+            if tokens:
                 logits[row] = float("-inf")
-                logits[row, token] = 0.0
+                logits[row, list(tokens)] = 0.0
 
     @staticmethod
     def _drop_non_finite(
@@ -229,7 +231,7 @@ class ModelRunner:
         if not segments:
             return None
         assert self.lora is not None, "a request has an adapter slot but the runner has no LoRA slots"
-        lora = LoraRows(tokens=segments, logits=[], weights=self.lora.tables)
+        lora = LoraRows(tokens=segments, logits=[], weights=self.lora.tables, dtype=self.lora.dtype)
         # Each adapter's group is padded to the longest: cap the longest, which bounds the padding.
         if len(segments) > 1 and max(s.end - s.start for s in segments) <= self.stacked_rows_per_segment:
             lora.stack = self.lora.stack(tuple(sorted({s.slot for s in segments})))

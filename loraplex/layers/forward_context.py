@@ -116,6 +116,9 @@ class LoraRows:
     # stack's groups. None: use the segments.
     stack: Any = None
     groups: dict[str, LoraGroups] = field(default_factory=dict)
+    # The dtype the adapter weights hold (the model's compute dtype); an input in another dtype (a layer
+    # kept in float32) has its delta computed in this one. None: the input's dtype.
+    dtype: torch.dtype | None = None
 
     def segments(self, kind: str) -> list[LoraSegment]:
         if kind == "states":

@@ -5,6 +5,11 @@ loaded, so checkpoint names are untouched; wrapping twice is a no-op). The layer
 state: each forward pass brings, through the forward context, which rows use which slot and the
 slot tables of the engine running it. So one model can serve several engines (as tests do), and
 model code never changes.
+
+A quantized base (bitsandbytes' Linear8bitLt / Linear4bit, put in by `loraplex.quantization` before the
+wrappers go on) is wrapped the same way: both are `nn.Linear` subclasses with the real in/out features. The
+adapter delta is computed from the layer's input in its dtype (the model's compute dtype, the dtype the slot
+tables hold) and added to the base output, cast to that dtype if the base returned another.
 """
 
 from __future__ import annotations
@@ -18,11 +23,16 @@ from torch import nn
 from loraplex.layers.forward_context import LoraGroups, LoraSegment, current_lora_rows
 from loraplex.lora.adapter import BaseShapes, LoraAdapter, LoraWeights
 from loraplex.lora.kernels import add_lora, add_lora_stacked
+from loraplex.quantization import dequantized_weight
 
 # Which rows a LoRA-wrapped linear sees (DESIGN.md 7), by its module path: the output head sees the rows
 # handed to compute_logits; a vision tower and its projector see image tiles, each owned by the request
-# whose image it is; everything else sees the step's token rows.
+# whose image it is; an encoder-decoder's encoder sees the encoder rows of the requests it runs for, and
+# its cross-attention key/value projections see those rows' encoder output (the `states`); everything
+# else sees the step's token rows.
 _IMAGE_MODULES = ("vision_tower.", "multi_modal_projector.")
+_STATE_MODULES = ("EncDecAttention.k", "EncDecAttention.v", "encoder_attn.k_proj", "encoder_attn.v_proj")
+_ENCODER_STACKS = ("encoder", "model.encoder")  # T5's and BART's encoder stacks
 
 
 def row_kind(name: str) -> str:
@@ -30,6 +40,10 @@ def row_kind(name: str) -> str:
         return "logits"
     if any(part in name for part in _IMAGE_MODULES):
         return "patches"
+    if name.endswith(_STATE_MODULES):
+        return "states"
+    if any(name.startswith(stack + ".") for stack in _ENCODER_STACKS):
+        return "encoder"
     return "tokens"
 
 
@@ -50,13 +64,23 @@ class LoraLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.base.weight
+        """The base weight [out_features, in_features] as floats (a quantized base's, dequantized)."""
+        return dequantized_weight(self.base)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
+        if out.dtype != x.dtype:  # a quantized base may compute in another dtype: deltas add in x's
+            out = out.to(x.dtype)
         rows = current_lora_rows()
         if rows is None:
             return out
+        if rows.dtype is not None and x.dtype != rows.dtype:  # e.g. T5's float32 `wo` in a bfloat16 model
+            delta = self._add(torch.zeros(out.shape, dtype=rows.dtype, device=out.device), x.to(rows.dtype), rows)
+            return out + delta.to(out.dtype)
+        return self._add(out, x, rows)
+
+    def _add(self, out: torch.Tensor, x: torch.Tensor, rows) -> torch.Tensor:
+        """`out` plus, row by row, the delta of the row's own adapter (in place)."""
         groups = rows.groups.get(self.row_kind) if rows.stack is not None else None
         if groups is not None:
             stacked = rows.stack.layers.get(self.name)
@@ -73,7 +97,8 @@ class LoraLinear(nn.Module):
 
 
 def wrap_linears(model: nn.Module) -> dict[str, LoraLinear]:
-    """Wrap each nn.Linear of `model` in a LoraLinear (once); module name -> layer."""
+    """Wrap each nn.Linear of `model` (bitsandbytes' quantized linears included) in a LoraLinear (once);
+    module name -> layer."""
     layers: dict[str, LoraLinear] = {}
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraLinear):

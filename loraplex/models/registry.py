@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from loraplex.config import ModelConfig
+from loraplex.models.bart import BartForConditionalGeneration
 from loraplex.models.llama import LlamaForCausalLM
 from loraplex.models.llava_next import LlavaNextForConditionalGeneration
 from loraplex.models.mpt import MptForCausalLM
@@ -18,6 +19,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mpt": MptForCausalLM,
     "t5": T5ForConditionalGeneration,
     "mt5": T5ForConditionalGeneration,
+    "bart": BartForConditionalGeneration,
+    "mbart": BartForConditionalGeneration,
 }
 
 

@@ -276,6 +276,7 @@ async def info(request: Request):
         "block_size": core.config.block_size,
         "input_modalities": ["text", "image"] if core.takes_images else ["text"],
         "model_type": core.model_config.model_type,
+        "quantize": core.config.quantize,
         "is_encoder_decoder": core.is_encoder_decoder,
         "version": __version__,
     }

@@ -1,7 +1,8 @@
-"""LoRA on encoder-decoder models: PEFT adapters on the encoder only, the decoder's self-attention and
-feed-forward only, the cross-attention only, and everything, give PEFT's greedy tokens through the engine
-(the cross-attention's k/v see encoder rows: they take each request's adapter through the `states` rows);
-a batch mixing them and the base model equals each request alone, in both LoRA forms."""
+"""LoRA on encoder-decoder models (T5, BART): PEFT adapters on the encoder only, the decoder's
+self-attention and feed-forward only, the cross-attention only (and its k/v alone), and everything, give
+PEFT's greedy tokens through the engine (the cross-attention's k/v see encoder rows: they take each
+request's adapter through the `states` rows); a batch mixing them and the base model equals each request
+alone, in both LoRA forms."""
 
 from __future__ import annotations
 
@@ -9,70 +10,75 @@ import random
 
 import pytest
 
+from loraplex.lora.layers import row_kind
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for, hf_seq2seq_greedy, load_ours, tiny_t5
 from tests.lora.peft_helpers import peft_model, save_and_load
+from tests.models.test_bart_parity import tiny_bart
 
 NEW = 8
 PARAMS = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-T5_CASES = {
-    "encoder": dict(r=4, lora_alpha=8, target_modules=r"encoder\..*\.(q|k|v|o|wi_0|wi_1|wo)"),
-    "decoder": dict(r=8, lora_alpha=8, target_modules=r"decoder\..*(SelfAttention\.(q|k|v|o)|DenseReluDense\.(wi_0|wi_1|wo))"),
-    "cross": dict(r=4, lora_alpha=16, target_modules=r".*EncDecAttention\.(q|k|v|o)"),
-    "cross-kv": dict(r=4, lora_alpha=16, target_modules=r".*EncDecAttention\.(k|v)"),
-    "all": dict(r=8, lora_alpha=16, target_modules=["q", "k", "v", "o", "wi_0", "wi_1", "wo"]),
+CASES = {
+    "t5": {
+        "encoder": dict(r=4, lora_alpha=8, target_modules=r"encoder\..*\.(q|k|v|o|wi_0|wi_1|wo)"),
+        "decoder": dict(r=8, lora_alpha=8, target_modules=r"decoder\..*(SelfAttention\.(q|k|v|o)|DenseReluDense\.(wi_0|wi_1|wo))"),
+        "cross": dict(r=4, lora_alpha=16, target_modules=r".*EncDecAttention\.(q|k|v|o)"),
+        "cross-kv": dict(r=4, lora_alpha=16, target_modules=r".*EncDecAttention\.(k|v)"),
+        "all": dict(r=8, lora_alpha=16, target_modules=["q", "k", "v", "o", "wi_0", "wi_1", "wo"]),
+    },
+    "bart": {
+        "encoder": dict(r=4, lora_alpha=8, target_modules=r"model\.encoder\..*(q_proj|k_proj|v_proj|out_proj|fc1|fc2)"),
+        "decoder": dict(r=8, lora_alpha=8, target_modules=r"model\.decoder\..*(self_attn\.(q_proj|k_proj|v_proj|out_proj)|fc1|fc2)"),
+        "cross": dict(r=4, lora_alpha=16, target_modules=r".*encoder_attn\.(q_proj|k_proj|v_proj|out_proj)"),
+        "cross-kv": dict(r=4, lora_alpha=16, target_modules=r".*encoder_attn\.(k_proj|v_proj)"),
+        "all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]),
+    },
 }
 
 
-@pytest.fixture(scope="module")
-def t5(tmp_path_factory):
-    hf = tiny_t5(gated=True, seed=7)
-    ours, config = load_ours(hf, tmp_path_factory.mktemp("t5"))
-    return hf, ours, config
-
-
-@pytest.fixture(scope="module")
-def prompts():
+@pytest.fixture(scope="module", params=list(CASES))
+def family(request, tmp_path_factory):
+    hf = tiny_t5(gated=True, seed=7) if request.param == "t5" else tiny_bart(seed=7)
+    ours, config = load_ours(hf, tmp_path_factory.mktemp(request.param))
     rng = random.Random(1)
-    return [[rng.randrange(2, 300) for _ in range(rng.randint(2, 40))] + [1] for _ in range(4)]
-
-
-@pytest.fixture(scope="module")
-def adapters(t5, prompts, tmp_path_factory):
-    hf, ours, config = t5
+    eos = hf.config.eos_token_id
+    prompts = [[rng.randrange(4, 300) for _ in range(rng.randint(2, 40))] + [eos] for _ in range(4)]
     shapes = engine_for(ours, config, max_active_adapters=1).lora.base_shapes
-    out = {}
-    for seed, (name, kwargs) in enumerate(T5_CASES.items()):
+    adapters = {}
+    for seed, (name, kwargs) in enumerate(CASES[request.param].items()):
         model = peft_model(hf, seed=seed + 1, **kwargs)
         adapter = save_and_load(model, tmp_path_factory.mktemp(name), name, shapes)
-        out[name] = (adapter, [hf_seq2seq_greedy(model, p, NEW) for p in prompts])
-    return out
+        adapters[name] = (adapter, [hf_seq2seq_greedy(model, p, NEW) for p in prompts])
+    base = [hf_seq2seq_greedy(hf, p, NEW) for p in prompts]
+    return ours, config, prompts, adapters, base
 
 
-@pytest.mark.parametrize("case", T5_CASES)
-def test_lora_on_t5_matches_peft(t5, prompts, adapters, case):
-    hf, ours, config = t5
+@pytest.mark.parametrize("case", list(CASES["t5"]))
+def test_lora_matches_peft(family, case):
+    ours, config, prompts, adapters, base = family
     adapter, want = adapters[case]
     engine = engine_for(ours, config, max_active_adapters=2)
     got = [o.token_ids for o in engine.generate(prompts, PARAMS, adapters=[adapter] * len(prompts))]
     assert got == want
-    assert got != [hf_seq2seq_greedy(hf, p, NEW) for p in prompts], f"{case} changes nothing: the test proves nothing"
+    assert got != base, f"{case} changes nothing: the test proves nothing"
 
 
-def test_row_kinds_of_t5_modules(t5):
-    from loraplex.lora.layers import row_kind
-
+def test_row_kinds():
     assert row_kind("encoder.block.1.layer.0.SelfAttention.q") == "encoder"
     assert row_kind("encoder.block.0.layer.1.DenseReluDense.wo") == "encoder"
     assert row_kind("decoder.block.0.layer.1.EncDecAttention.k") == "states"
     assert row_kind("decoder.block.0.layer.1.EncDecAttention.q") == "tokens"
     assert row_kind("decoder.block.2.layer.2.DenseReluDense.wi_0") == "tokens"
+    assert row_kind("model.encoder.layers.0.fc1") == "encoder"
+    assert row_kind("model.decoder.layers.1.encoder_attn.v_proj") == "states"
+    assert row_kind("model.decoder.layers.1.encoder_attn.out_proj") == "tokens"
+    assert row_kind("model.decoder.layers.1.self_attn.k_proj") == "tokens"
+    assert row_kind("model.vision_tower.encoder.layers.0.self_attn.k_proj") == "patches"
     assert row_kind("lm_head") == "logits"
 
 
-def test_mixed_adapters_and_base_on_t5(t5, prompts, adapters):
-    hf, ours, config = t5
-    base = [hf_seq2seq_greedy(hf, p, NEW) for p in prompts]
+def test_mixed_adapters_and_base(family):
+    ours, config, prompts, adapters, base = family
     variants = [(None, base), *adapters.values()]
     jobs = [(p, a, want[i]) for i, p in enumerate(prompts) for a, want in variants]
     random.Random(2).shuffle(jobs)

@@ -32,7 +32,7 @@ def build(kind: str):
     return tiny_bart(seed=11, vocab_size=len(tokenizer)), tokenizer
 
 
-@pytest.fixture(scope="module", params=["t5"])
+@pytest.fixture(scope="module", params=["t5", "bart"])
 def served(request, tmp_path_factory):
     hf, tokenizer = build(request.param)
     path = tmp_path_factory.mktemp(request.param)

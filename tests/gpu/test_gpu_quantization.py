@@ -1,0 +1,147 @@
+"""--quantize on CUDA (`python -m pytest tests/gpu`): bitsandbytes 8-bit (LLM.int8) and nf4 on a small Llama
+(4 layers, hidden 512, GQA, a few outlier feature channels as trained models have) in bfloat16, against
+transformers loading the same checkpoint with the same BitsAndBytesConfig on the same GPU:
+
+- the same linears quantized; logits close (bfloat16 tolerance) and greedy tokens mostly identical;
+- LoRA on top equals PEFT on the same transformers-quantized model (logits close, first tokens identical);
+- a batch mixing adapter and base requests gives (nearly) each request its solo tokens: on CUDA a one-row nf4
+  matmul takes bitsandbytes' gemv kernel and a batch dequantizes and multiplies, and LLM.int8 picks its
+  outlier columns over the batch, so bfloat16 ties may break differently (the CPU suite checks exactness).
+"""
+
+import random
+
+import pytest
+import torch
+
+from loraplex.config import ModelConfig
+from loraplex.engine.loading import build_model
+from loraplex.lora.layers import LoraSlots
+from loraplex.params import SamplingParams
+from loraplex.quantization import is_quantized, quantize_model, weight_bytes
+from loraplex.weights import load_state_dict, resolve_model
+from tests.helpers import engine_for, full_logits, tiny_hf_model
+from tests.lora.peft_helpers import ALL_PROJECTIONS, peft_model, save_and_load
+
+if not torch.cuda.is_available():
+    pytest.fail("tests/gpu needs a CUDA device", pytrace=False)
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("bitsandbytes")
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+DEVICE, DTYPE = "cuda", torch.bfloat16
+MODES = ["bitsandbytes", "bitsandbytes-nf4"]
+SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2)
+PROMPT = [1, 17, 203, 45, 9, 88, 130, 7, 251, 64, 3, 99, 180, 42, 5, 77, 211, 8, 150, 33, 120, 2048, 4000, 3071]
+NEW = 12
+PARAMS = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+
+
+def tolerance(expected: torch.Tensor) -> float:
+    return 6e-2 * max(1.0, expected.abs().max().item())  # bfloat16, as tests/gpu/test_gpu_parity.py
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    hf = tiny_hf_model("llama", seed=0, **SHAPE)
+    with torch.no_grad():  # outlier features: values past LLM.int8's 6.0 threshold reach the linears
+        for layer in hf.model.layers:
+            layer.input_layernorm.weight[[3, 200]] *= 12
+            layer.post_attention_layernorm.weight[[7]] *= 12
+    path = tmp_path_factory.mktemp("llama")
+    hf.save_pretrained(path)
+    return path
+
+
+def bnb_config(mode: str):
+    if mode == "bitsandbytes":
+        return transformers.BitsAndBytesConfig(load_in_8bit=True)
+    return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=DTYPE)
+
+
+def theirs(path, mode: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=bnb_config(mode), device_map=DEVICE, dtype=DTYPE, attn_implementation="eager"
+    ).eval()
+
+
+def ours(path, mode: str | None):
+    """As load_model does it: weights loaded on the GPU in bfloat16, then quantized there."""
+    source = resolve_model(path)
+    config = ModelConfig.from_hf(source.hf_config)
+    model = build_model(config, load_state_dict(source, device=DEVICE, dtype=DTYPE))
+    if mode is not None:
+        quantize_model(model, mode, DEVICE, DTYPE)
+    return model, config
+
+
+def quantized_names(model) -> list[str]:
+    return sorted(name for name, m in model.named_modules() if is_quantized(m))
+
+
+@torch.inference_mode()
+def logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids], device=DEVICE)).logits[0].float()
+
+
+@torch.inference_mode()
+def greedy(model, ids: list[int]) -> list[int]:
+    out = model.generate(torch.tensor([ids], device=DEVICE), attention_mask=torch.ones(1, len(ids), dtype=torch.long,
+                         device=DEVICE), do_sample=False, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def prompts(n: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, SHAPE["vocab_size"]) for _ in range(rng.randint(8, 60))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_model_matches_transformers_on_cuda(saved, mode):
+    model, config = ours(saved, mode)
+    reference = theirs(saved, mode)
+    assert quantized_names(model) == quantized_names(reference) and len(quantized_names(model)) == 7 * 4
+    want = logits(reference, PROMPT)
+    got = full_logits(model, config, PROMPT, DEVICE)
+    diff = (got - want).abs().max().item()
+    assert diff <= tolerance(want), f"{mode}: logits differ by {diff:.3g} (tolerance {tolerance(want):.3g})"
+
+    unquantized, _ = ours(saved, None)
+    assert weight_bytes(model) < weight_bytes(unquantized)
+    if mode == "bitsandbytes-nf4":  # 4 bits move the logits well past bfloat16 noise; int8 barely does
+        moved = (full_logits(unquantized, config, PROMPT, DEVICE) - got).abs().max().item()
+        assert moved > diff, f"nf4 moves the logits by {moved:.3g}, no more than the parity difference {diff:.3g}"
+
+    ps = prompts(6)
+    engine = engine_for(model, config, device=DEVICE, dtype=DTYPE, max_batch_total_tokens=2048)
+    tokens = [o.token_ids for o in engine.generate(ps, PARAMS)]
+    expected = [greedy(reference, p) for p in ps]
+    assert sum(t[0] == e[0] for t, e in zip(tokens, expected)) >= len(ps) // 2 + 1, (tokens, expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lora_on_quantized_model_matches_peft_on_cuda(saved, tmp_path, mode):
+    model, config = ours(saved, mode)
+    reference = theirs(saved, mode)
+    trained = peft_model(reference, seed=3, r=16, lora_alpha=32, target_modules=list(ALL_PROJECTIONS))
+    shapes = LoraSlots(model, 1, torch.device(DEVICE), DTYPE).base_shapes
+    adapter = save_and_load(trained, tmp_path, "a", shapes)
+
+    want = logits(trained, PROMPT)
+    got = full_logits(model, config, PROMPT, DEVICE, adapter=adapter)
+    diff = (got - want).abs().max().item()
+    assert diff <= tolerance(want), f"{mode} + LoRA: logits differ from PEFT's by {diff:.3g}"
+    effect = (want - logits(reference, PROMPT)).abs().max().item()
+    assert effect > 4 * tolerance(want), f"the adapter moves PEFT's logits by only {effect:.3g}"
+
+    ps = prompts(6)
+    adapters = [adapter, None] * 3
+    engine = engine_for(model, config, device=DEVICE, dtype=DTYPE, max_batch_total_tokens=4096, max_active_adapters=2)
+    together = [o.token_ids for o in engine.generate(ps, PARAMS, adapters=adapters)]
+    solo = [engine.generate([p], PARAMS, adapters=[a])[0].token_ids for p, a in zip(ps, adapters)]
+    assert sum(t == s for t, s in zip(together, solo)) >= len(ps) - 2, (together, solo)
+    expected = [greedy(trained if a is not None else reference, p) for p, a in zip(ps, adapters)]
+    assert sum(s[0] == e[0] for s, e in zip(solo, expected)) >= len(ps) // 2 + 1, (solo, expected)
