@@ -1,8 +1,8 @@
 """Offline throughput benchmark: loraplex against Hugging Face transformers, measured in one run.
 
-    loraplex bench [--workload equal|mixed|adapters|vision|all] [--requests 32] [--one-at-a-time-requests 8] [--model-id ID]
-                   [--seed 0] [--repeats 1] [--adapters 8] [--adapter-rank 16] [--rotation-adapters 64]
-                   [--rotation-slots 8] [--json PATH]
+    loraplex bench [--workload equal|mixed|adapters|vision|seq2seq|all] [--requests 32] [--one-at-a-time-requests 8]
+                   [--model-id ID] [--family t5|bart|both] [--seed 0] [--repeats 1] [--adapters 8] [--adapter-rank 16]
+                   [--rotation-adapters 64] [--rotation-slots 8] [--json PATH]
 
 Every system is warmed up once on a small run (excluded), then timed with time.perf_counter on the same prompts.
 The figures that matter are the ratios of output tokens/s: on a noisy machine only rates measured in the same run
@@ -11,6 +11,8 @@ compare. `--repeats N` lets the systems take turns N times and keeps each one's 
 `all` (the default) runs equal and mixed. The adapters workload (see benchmarks/adapters.py: loraplex with
 adapters against PEFT's mixed-adapter batch and against itself on the base model, plus adapters rotating
 through fewer device slots) runs only when named: it times four systems and takes longer than the default set.
+So do vision (benchmarks/vision.py) and seq2seq (benchmarks/seq2seq.py: random T5 / BART, with and without
+adapters).
 """
 
 from __future__ import annotations
@@ -182,21 +184,25 @@ def format_result(result: WorkloadResult, setting: str) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="loraplex bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", choices=["equal", "mixed", "adapters", "vision", "all"], default="all",
-                   help="all: equal and mixed (the default set); adapters and vision (the example VLM, "
-                        "benchmarks/vision.py) run only when named")
+    p.add_argument("--workload", choices=["equal", "mixed", "adapters", "vision", "seq2seq", "all"], default="all",
+                   help="all: equal and mixed (the default set); adapters, vision (the example VLM, "
+                        "benchmarks/vision.py) and seq2seq (random T5 / BART, benchmarks/seq2seq.py) run only "
+                        "when named")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--one-at-a-time-requests", type=int, default=8,
                    help="transformers one-at-a-time is slow: time this many of the requests (default 8)")
     p.add_argument("--model-id", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--seed", type=int, default=0, help="workload seed (prompts, and lengths of the mixed one)")
     p.add_argument("--repeats", type=int, default=1, help="time each system N times, taking turns; keep the best")
-    p.add_argument("--adapters", type=int, default=8, help="adapters workload: adapters the requests spread over")
-    p.add_argument("--adapter-rank", type=int, default=16, help="adapters workload: LoRA rank (alpha = 2 x rank)")
+    p.add_argument("--adapters", type=int, default=8,
+                   help="adapters and seq2seq workloads: adapters the requests spread over (seq2seq: 0 skips them)")
+    p.add_argument("--adapter-rank", type=int, default=16,
+                   help="adapters and seq2seq workloads: LoRA rank (alpha = 2 x rank)")
     p.add_argument("--rotation-adapters", type=int, default=64,
                    help="adapters workload: adapters (one request each) rotating through --rotation-slots slots")
     p.add_argument("--rotation-slots", type=int, default=8, help="max_active_adapters of the rotation run")
     p.add_argument("--new-tokens", type=int, default=16, help="vision workload: new tokens per request")
+    p.add_argument("--family", choices=["t5", "bart", "both"], default="both", help="seq2seq workload: model family")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return p.parse_args(argv)
 
@@ -212,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"workloads": {"vision": result}}, f, indent=2)
         return 0
+    if args.workload == "seq2seq":  # its own random models (T5, BART) and peers
+        from benchmarks.seq2seq import main as seq2seq_main
+
+        return seq2seq_main(args)
     from loraplex.config import EngineConfig
     from loraplex.engine.engine import Engine
     from loraplex.engine.loading import load_model

@@ -212,6 +212,10 @@ class ModelRunner:
         logits: torch.Tensor, seqs: list[int], results: list[StepResult]
     ) -> tuple[torch.Tensor, list[int]]:
         """Fail the sequences whose logits hold NaN or inf (a diverging adapter); sample the rest."""
+        # A row's sum is finite when every logit is (NaN and inf propagate): one cheap reduction per step,
+        # the full check only when it fails.
+        if torch.isfinite(logits.float().sum(dim=1)).all():
+            return logits, seqs
         finite = torch.isfinite(logits).all(dim=1).tolist()
         if all(finite):
             return logits, seqs
@@ -338,6 +342,12 @@ class ModelRunner:
         def long(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
-        batch.metadata.encoder = EncoderMetadata(query_start_loc, long(slots), long(tables), lens, long(lens))
+        md = batch.metadata
+        decode_seqs = [s for s in range(len(scheduled)) if s not in set(md.prefill_seqs)]
+        groups = [
+            DecodeGroup(long(g), long([md.query_start_loc[s] for s in g]), long([lens[s] for s in g]), max(lens[s] for s in g))
+            for g in group_by_length(decode_seqs, lens)
+        ]
+        md.encoder = EncoderMetadata(query_start_loc, long(slots), long(tables), lens, groups)
         if ids:
             batch.encoder_ids, batch.encoder_positions = long(ids), long(positions)

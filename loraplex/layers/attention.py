@@ -166,35 +166,24 @@ class TorchAttentionBackend:
             key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, enc.slot_mapping, k)
             value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, enc.slot_mapping, v)
         out = torch.empty_like(q)
-        starts = md.query_start_loc
-        # Every sequence attends over its own states only, padded to the longest of the step and masked.
-        keys, values = self._gather(key_cache, value_cache, enc.block_tables, enc.max_len)
-        visible = torch.arange(enc.max_len, device=q.device)[None, :] < enc.lens_tensor[:, None]  # [B, max_len]
-        decode = [s for s in range(md.num_seqs) if starts[s + 1] - starts[s] == 1]
-        if decode:
-            seqs = torch.tensor(decode, device=q.device)
-            rows = torch.tensor([starts[s] for s in decode], device=q.device)
-            batch = len(decode)
+        # Decode rows in groups of similar encoder length, each over its own states padded to the group's
+        # longest and masked: no sequence ever reads another's states, and padding stays small.
+        for group in enc.decode_groups:
+            keys, values = self._gather(key_cache, value_cache, enc.block_tables[group.seqs], group.max_len)
+            visible = torch.arange(group.max_len, device=q.device)[None, :] < group.seq_lens[:, None]
+            batch = keys.shape[0]
             attended = F.scaled_dot_product_attention(
-                q[rows].view(batch, layer.num_kv_heads, -1, layer.head_dim),
-                keys[seqs].transpose(1, 2),
-                values[seqs].transpose(1, 2),
-                attn_mask=visible[seqs][:, None, None, :],
-                scale=layer.scale,
+                q[group.rows].view(batch, layer.num_kv_heads, -1, layer.head_dim), keys.transpose(1, 2),
+                values.transpose(1, 2), attn_mask=visible[:, None, None, :], scale=layer.scale,
             )
-            out[rows] = attended.reshape(batch, layer.num_heads, layer.head_dim)
+            out[group.rows] = attended.reshape(batch, layer.num_heads, layer.head_dim)
         gqa = layer.num_heads != layer.num_kv_heads
-        for s in range(md.num_seqs):
-            start, end = starts[s], starts[s + 1]
-            if end - start == 1:
-                continue
-            length = enc.lens[s]
+        for s in md.prefill_seqs:  # several rows of one sequence (a prompt, or a request resumed)
+            start, end = md.query_start_loc[s], md.query_start_loc[s + 1]
+            keys, values = self._gather(key_cache, value_cache, enc.block_tables[s : s + 1], enc.lens[s])
             attended = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1)[None],
-                keys[s, :length].transpose(0, 1)[None],
-                values[s, :length].transpose(0, 1)[None],
-                scale=layer.scale,
-                enable_gqa=gqa,
+                q[start:end].transpose(0, 1)[None], keys[0].transpose(0, 1)[None], values[0].transpose(0, 1)[None],
+                scale=layer.scale, enable_gqa=gqa,
             )
             out[start:end] = attended[0].transpose(0, 1)
         return out

@@ -38,11 +38,9 @@ class EncoderMetadata:
     slot_mapping: torch.Tensor  # [E rows] int64
     block_tables: torch.Tensor  # [B, max_blocks] int64
     lens: list[int]  # [B] encoder length of each of the step's sequences
-    lens_tensor: torch.Tensor  # the same, [B] int64 on the model's device
-
-    @property
-    def max_len(self) -> int:
-        return max(self.lens)
+    # The decode sequences (one row each) in groups of similar encoder length; a group's `seq_lens` are
+    # encoder lengths. The other sequences are the step's `prefill_seqs`.
+    decode_groups: list[DecodeGroup]
 
 
 @dataclass
