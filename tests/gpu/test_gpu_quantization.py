@@ -145,3 +145,61 @@ def test_lora_on_quantized_model_matches_peft_on_cuda(saved, tmp_path, mode):
     assert sum(t == s for t, s in zip(together, solo)) >= len(ps) - 2, (together, solo)
     expected = [greedy(trained if a is not None else reference, p) for p, a in zip(ps, adapters)]
     assert sum(s[0] == e[0] for s, e in zip(solo, expected)) >= len(ps) // 2 + 1, (solo, expected)
+
+
+# ---- T5: its `wo` stays unquantized and float32 (transformers' _keep_in_fp32_modules) ----------------------
+
+
+@pytest.fixture(scope="module")
+def saved_t5(tmp_path_factory):
+    config = transformers.T5Config(vocab_size=4096, d_model=512, d_kv=64, d_ff=1024, num_layers=3, num_heads=8,
+                                   feed_forward_proj="gated-gelu", decoder_start_token_id=0)  # tied head, rescaled: logits of a sane size
+    torch.manual_seed(0)
+    hf = transformers.T5ForConditionalGeneration(config).eval()  # transformers' own initialisation
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "layer_norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path_factory.mktemp("t5")
+    hf.save_pretrained(path)
+    return path
+
+
+def ours_t5(path, mode: str):
+    from loraplex.config import EngineConfig
+    from loraplex.engine.loading import load_model
+
+    loaded = load_model(EngineConfig(model_id=str(path), device=DEVICE, dtype="bfloat16", quantize=mode), log=lambda _: None)
+    return loaded.model, loaded.config
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_t5_and_lora_match_transformers_and_peft_on_cuda(saved_t5, tmp_path, mode):
+    from tests.helpers import encoder_decoder_logits
+
+    model, config = ours_t5(saved_t5, mode)
+    reference = transformers.T5ForConditionalGeneration.from_pretrained(
+        saved_t5, quantization_config=bnb_config(mode), device_map=DEVICE, dtype=DTYPE).eval()
+    names = quantized_names(model)
+    assert names == quantized_names(reference) and names and not any(n.endswith(".wo") for n in names)
+    assert model.decoder.block[0].layer[2].DenseReluDense.wo.weight.dtype == torch.float32
+    encoder_ids, decoder_ids = PROMPT[1:] + [1], [0, 7, 99, 42, 18, 3, 250]
+    enc, dec = torch.tensor([encoder_ids], device=DEVICE), torch.tensor([decoder_ids], device=DEVICE)
+    with torch.inference_mode():
+        want = reference(input_ids=enc, decoder_input_ids=dec).logits[0].float()
+    got = encoder_decoder_logits(model, config, encoder_ids, decoder_ids, device=DEVICE)
+    diff = (got - want).abs().max().item()
+    assert diff <= tolerance(want), f"{mode}: T5 logits differ by {diff:.3g} (tolerance {tolerance(want):.3g})"
+
+    trained = peft_model(reference, seed=3, r=16, lora_alpha=32, target_modules=["q", "k", "v", "o", "wi_0", "wi_1", "wo"])
+    adapter = save_and_load(trained, tmp_path, "a", LoraSlots(model, 1, torch.device(DEVICE), DTYPE).base_shapes)
+    with torch.inference_mode():
+        want_lora = trained(input_ids=enc, decoder_input_ids=dec).logits[0].float()
+    got_lora = encoder_decoder_logits(model, config, encoder_ids, decoder_ids, adapter=adapter, device=DEVICE)
+    # PEFT keeps adapter weights in float32 (autocast_adapter_dtype) and computes deltas there; we compute them
+    # in bfloat16, and T5's unscaled attention scores amplify the q/k deltas' rounding: a wider bound, and the
+    # difference must stay well below what the adapter itself does.
+    diff = (got_lora - want_lora).abs().max().item()
+    effect = (want_lora - want).abs().max().item()
+    assert diff <= 1e-1 * max(1.0, want_lora.abs().max().item()), f"{mode} + LoRA: T5 logits differ from PEFT's by {diff:.3g}"
+    assert effect > 5 * diff and effect > 4 * tolerance(want), f"the adapter moves the logits by {effect:.3g}, diff {diff:.3g}"

@@ -265,6 +265,23 @@ def test_t5_quantized_like_transformers(tmp_path, gated, mode):
     torch.testing.assert_close(got, want.float(), atol=atol(want), rtol=0)
 
 
+@pytest.mark.parametrize("mode", ["bitsandbytes", "bitsandbytes-nf4"])
+def test_bart_quantized_like_transformers(tmp_path, mode):
+    from tests.helpers import encoder_decoder_logits
+    from tests.models.test_bart_parity import tiny_bart
+
+    tiny_bart(seed=2).save_pretrained(tmp_path)
+    ours, config = ours_from_dir(tmp_path, torch.float32, mode)
+    reference = hf_quantized(tmp_path, mode, torch.float32, transformers.BartForConditionalGeneration)
+    names = quantized_names(ours)
+    assert names and names == quantized_names(reference)
+    encoder_ids, decoder_ids = [0] + PROMPT[1:] + [2], [2, 7, 99, 42, 18, 3, 250]
+    with torch.inference_mode():
+        want = reference(input_ids=torch.tensor([encoder_ids]), decoder_input_ids=torch.tensor([decoder_ids])).logits[0]
+    got = encoder_decoder_logits(ours, config, encoder_ids, decoder_ids)
+    torch.testing.assert_close(got, want.float(), atol=atol(want), rtol=0)
+
+
 # ---- a real model through load_model ----------------------------------------------------------------------
 
 
