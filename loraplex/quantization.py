@@ -186,6 +186,30 @@ def _quantized(bnb, linear: nn.Linear, mode: str, device: torch.device, compute_
     return layer.train(linear.training)
 
 
+def move_unquantized(model: nn.Module, device: torch.device | str) -> None:
+    """Move every parameter and buffer not held by a bitsandbytes layer to `device` (embeddings, norms, the
+    head: what quantization leaves in float), keeping tied tensors tied. The quantized layers are already
+    on their device; `.to()` on them would re-wrap their state."""
+    import torch
+    from torch import nn
+
+    target = torch.device(device)
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        if is_quantized(module):
+            continue
+        for table in (module._parameters, module._buffers):
+            for key, tensor in table.items():
+                if tensor is None or tensor.device == target:
+                    continue
+                if id(tensor) not in moved:
+                    data = tensor.detach().to(target)
+                    moved[id(tensor)] = nn.Parameter(data, requires_grad=False) if isinstance(tensor, nn.Parameter) else data
+                table[key] = moved[id(tensor)]
+
+
 def is_quantized(module: nn.Module) -> bool:
     """Whether `module` is a bitsandbytes linear (int8 or 4-bit)."""
     from torch import nn

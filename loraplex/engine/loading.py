@@ -14,7 +14,7 @@ from torch import nn
 
 from loraplex.config import EngineConfig, ModelConfig, token_id, token_ids
 from loraplex.models.registry import model_class
-from loraplex.quantization import check_quantize, quantize_model, weight_bytes
+from loraplex.quantization import check_quantize, move_unquantized, quantize_model, weight_bytes
 from loraplex.tokenizer import Tokenizer
 from loraplex.weights import ModelSource, load_into, load_state_dict, resolve_model
 
@@ -101,14 +101,18 @@ def load_model(
     if quantize:  # refused before any weight is read
         check_quantize(quantize, device, dtype)
     log(f"loading {source.model_id} ({model_config.num_layers} layers) on {device} as {str(dtype).removeprefix('torch.')}")
+    # Quantizing for a GPU: the float weights stay in host memory and each linear reaches the GPU quantized,
+    # so the GPU never holds the float model (its peak is the quantized one plus the largest linear).
+    staging = torch.device("cpu") if quantize and device.type != "cpu" else device
     state = load_state_dict(
-        source, device=str(device), dtype=dtype, show_progress=show_progress,
+        source, device=str(staging), dtype=dtype, show_progress=show_progress,
         keep_float32=float32_names(model_config, dtype),
     )
     model = build_model(model_config, state)
     if quantize:
         del state  # the float weights go as their linears are replaced
         replaced = quantize_model(model, quantize, device, dtype)
+        move_unquantized(model, device)
         log(f"quantized {replaced} linears ({quantize}); weights take {weight_bytes(model) / 2**30:.2f} GiB")
     tokenizer = Tokenizer.from_pretrained(str(source.path), extra_eos_ids=_generation_eos_ids(source, model_config))
     if config.chat_template:

@@ -203,3 +203,31 @@ def test_quantized_t5_and_lora_match_transformers_and_peft_on_cuda(saved_t5, tmp
     effect = (want_lora - want).abs().max().item()
     assert diff <= 1e-1 * max(1.0, want_lora.abs().max().item()), f"{mode} + LoRA: T5 logits differ from PEFT's by {diff:.3g}"
     assert effect > 5 * diff and effect > 4 * tolerance(want), f"the adapter moves the logits by {effect:.3g}, diff {diff:.3g}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_load_model_never_holds_the_float_model_on_the_gpu(tmp_path, mode):
+    """load_model(quantize=...) keeps the float weights in host memory and sends each linear quantized: the
+    GPU's peak stays well under the bfloat16 model, and the model answers as one quantized after loading."""
+    from loraplex.config import EngineConfig
+    from loraplex.engine.loading import load_model
+
+    shape = dict(SHAPE, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8)
+    from tests.helpers import tiny_seq2seq_tokenizer
+
+    hf = tiny_hf_model("llama", seed=1, **shape).to(DTYPE)
+    hf.save_pretrained(tmp_path)
+    tiny_seq2seq_tokenizer("bart").save_pretrained(tmp_path)  # load_model reads one (any will do here)
+    float_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loaded = load_model(EngineConfig(model_id=str(tmp_path), device=DEVICE, dtype="bfloat16", quantize=mode),
+                        log=lambda _: None)
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak < 0.7 * float_bytes, f"peak {peak / 2**20:.0f} MiB for a {float_bytes / 2**20:.0f} MiB bfloat16 model"
+    assert all(p.device.type == "cuda" for p in loaded.model.parameters())
+    model, config = ours(tmp_path, mode)  # loaded on the GPU in bfloat16, then quantized there
+    got = full_logits(loaded.model, loaded.config, PROMPT, DEVICE)
+    want = full_logits(model, config, PROMPT, DEVICE)
+    assert (got - want).abs().max().item() <= tolerance(want)

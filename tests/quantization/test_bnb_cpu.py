@@ -450,3 +450,18 @@ def test_cli_refusal_is_one_line(saved, monkeypatch, capsys):
         assert "cannot run it on cuda" in lines[0]
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         _cli(monkeypatch, capsys, [*base, "--quantize", "int8"])
+
+
+def test_move_unquantized_keeps_ties_and_skips_quantized_layers():
+    from loraplex.quantization import move_unquantized
+
+    hf = tiny_hf_model("llama", seed=1, tie_word_embeddings=True)
+    from tests.helpers import ours_from_hf
+
+    model, _ = ours_from_hf(hf)
+    quantize_model(model, "bitsandbytes-nf4", "cpu", torch.float32)
+    head = model.lm_head.weight
+    assert head is model.model.embed_tokens.weight
+    move_unquantized(model, "meta")  # another device, without needing one: every float tensor moves
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.device.type == "meta"
+    assert all(p.device.type == "cpu" for m in model.modules() if is_quantized(m) for p in m.parameters())
