@@ -212,6 +212,18 @@ def tiny_mpt(seed: int = 0, **attn):
     return model
 
 
+def load_saved(path) -> tuple[torch.nn.Module, ModelConfig]:
+    """Ours from a checkpoint directory as it is on disk (load_ours would save transformers' config first)."""
+    source = resolve_model(path)
+    config = ModelConfig.from_hf(source.hf_config)
+    return build_model(config, load_state_dict(source)), config
+
+
+def greedy_tokens(engine, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """Our greedy tokens for each prompt, all in one batch, EOS not a stop."""
+    return [o.token_ids for o in engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))]
+
+
 def load_ours(hf, path) -> tuple[torch.nn.Module, ModelConfig]:
     hf.save_pretrained(path)
     source = resolve_model(path)

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from loraplex.engine.loading import with_generation_config
-from loraplex.params import SamplingParams
-from tests.helpers import encoder_decoder_logits, engine_for, hf_seq2seq_greedy, load_ours
+from tests.helpers import encoder_decoder_logits, engine_for, greedy_tokens, hf_seq2seq_greedy, load_ours, load_saved
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW = 12
 EOS = 2
@@ -67,21 +68,6 @@ def tiny_bart(seed: int = 0, vocab_size: int = 300, kind: str = "bart", logits_b
     return model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded machine spinning threads make every
-    step many times slower: one thread for this module, restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def our_greedy(engine, prompts: list[list[int]], new: int = NEW) -> list[list[int]]:
-    outs = engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
-    return [o.token_ids for o in outs]
-
-
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def pair(request, tmp_path_factory):
     kind, overrides = VARIANTS[request.param]
@@ -114,13 +100,13 @@ def test_logits_match(pair):
 
 def test_greedy_matches_transformers(pair):
     hf, ours, config = pair
-    got = our_greedy(engine_for(ours, config), PROMPTS)
+    got = greedy_tokens(engine_for(ours, config), PROMPTS, NEW)
     assert got == [hf_seq2seq_greedy(hf, p, NEW) for p in PROMPTS]  # forced tokens apply
     assert all(tokens[-1] == EOS for tokens in got)  # forced at the last step max_new_tokens allows
     # The test bites: outputs vary within a sequence and with the encoder input (same length, other tokens).
     assert all(len(set(tokens[:-1])) > 1 for tokens in got), got
     other = [t + 1 for t in PROMPTS[1][:-1]] + [EOS]
-    assert our_greedy(engine_for(ours, config), [other]) != [got[1]]
+    assert greedy_tokens(engine_for(ours, config), [other], NEW) != [got[1]]
 
 
 def test_forced_bos_token(tmp_path):
@@ -132,7 +118,7 @@ def test_forced_bos_token(tmp_path):
     assert config.encoder_decoder.forced_bos_token_id == 7
     expected = [hf_seq2seq_greedy(hf, p, 6) for p in PROMPTS]
     assert all(tokens[0] == 7 and tokens[-1] == EOS for tokens in expected)
-    assert our_greedy(engine_for(ours, config), PROMPTS, new=6) == expected
+    assert greedy_tokens(engine_for(ours, config), PROMPTS, 6) == expected
 
 
 def test_final_logits_bias_matters(tmp_path):
@@ -176,13 +162,7 @@ def test_checkpoints_without_final_logits_bias_or_with_fairseq_keys_load(tmp_pat
     del state["final_logits_bias"]
     state["model.encoder.version"] = torch.tensor([2.0])
     safetensors.torch.save_file(state, path, metadata={"format": "pt"})
-    from loraplex.config import ModelConfig
-    from loraplex.engine.loading import build_model
-    from loraplex.weights import load_state_dict, resolve_model
-
-    source = resolve_model(tmp_path)
-    config = ModelConfig.from_hf(source.hf_config)
-    ours = build_model(config, load_state_dict(source))
+    ours, config = load_saved(tmp_path)
     decoder_ids = [2, 5, 9, 33]
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([[5, 6, 7, 2]]), decoder_input_ids=torch.tensor([decoder_ids])).logits[0]

@@ -19,10 +19,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex.config import ModelConfig
-from loraplex.engine.loading import build_model
-from loraplex.params import SamplingParams
-from loraplex.weights import load_state_dict, resolve_model
-from tests.helpers import encoder_decoder_logits, engine_for, hf_seq2seq_greedy, load_ours, tiny_t5
+from tests.helpers import (
+    encoder_decoder_logits, engine_for, greedy_tokens, hf_seq2seq_greedy, load_ours, load_saved, tiny_t5,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW = 12
 EOS = 1
@@ -55,28 +56,6 @@ def save_with_own_head(hf, path, model_type: str = "t5"):
     assert reloaded.lm_head.weight is not reloaded.shared.weight
     assert torch.equal(reloaded.lm_head.weight, tensors["lm_head.weight"])
     return reloaded
-
-
-def load_saved(path):
-    """Ours from a checkpoint directory as written (load_ours would save transformers' config again)."""
-    source = resolve_model(path)
-    config = ModelConfig.from_hf(source.hf_config)
-    return build_model(config, load_state_dict(source)), config
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded machine spinning threads make every
-    step many times slower: one thread for this module, restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def our_greedy(engine, prompts: list[list[int]], new: int = NEW) -> list[list[int]]:
-    outs = engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
-    return [o.token_ids for o in outs]
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -115,12 +94,12 @@ def test_logits_match(pair):
 
 def test_greedy_matches_transformers(pair):
     _, hf, ours, config = pair
-    got = our_greedy(engine_for(ours, config), PROMPTS)
+    got = greedy_tokens(engine_for(ours, config), PROMPTS, NEW)
     assert got == [hf_seq2seq_greedy(hf, p, NEW) for p in PROMPTS]
     # The test bites: outputs vary within a sequence and with the encoder input (same length, other tokens).
     assert all(len(set(tokens)) > 1 for tokens in got), got
     other = [t + 1 for t in PROMPTS[1][:-1]] + [EOS]
-    assert our_greedy(engine_for(ours, config), [other]) != [got[1]]
+    assert greedy_tokens(engine_for(ours, config), [other], NEW) != [got[1]]
 
 
 def test_mt5_saved_by_transformers5(tmp_path):
