@@ -128,3 +128,26 @@ def test_long_inputs_are_refused_not_truncated(served):
     )
     assert native.status_code == 422 and "max input length" in native.json()["error"]
     assert completion.status_code == 400 and "max input length" in completion.json()["error"]["message"]
+
+
+def test_chat_with_a_template_serves_the_templated_prompt(tmp_path):
+    """With a chat template (here from --chat-template FILE), chat turns the messages into the encoder's
+    input: the answer is transformers' greedy text for that prompt."""
+    hf, tokenizer = build("t5")
+    hf.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}")
+    config = EngineConfig(model_id=str(tmp_path), device="cpu", max_batch_total_tokens=1024, chat_template=str(template))
+    engine = AsyncEngine(Engine(load_model(config, log=lambda _: None), config))
+    try:
+        (chat,) = call(create_app(engine), ("/v1/chat/completions", {
+            "model": "", "messages": [{"role": "user", "content": "the quick brown dog"}], "max_tokens": NEW, "temperature": 0,
+        }))
+    finally:
+        engine.shutdown()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    ids = tokenizer("user: the quick brown dog ", add_special_tokens=False).input_ids
+    want = tokenizer.decode(hf_seq2seq_greedy(hf, ids, NEW), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"] == want
