@@ -157,6 +157,11 @@ def prepare_completion(state: ServerState, body: CompletionRequest) -> list[Job]
     if runs > max(n, state.config.max_best_of):
         raise BadRequest(f"best_of > n must be <= {state.config.max_best_of} (max best of); got {runs}", "best_of")
     wants_prompt_logprobs = bool(body.echo) and body.logprobs is not None
+    if wants_prompt_logprobs and state.core.is_encoder_decoder:
+        raise BadRequest(
+            "echo with logprobs asks for the prompt's logprobs, which an encoder-decoder model does not define "
+            "(its prompt is encoded, not predicted); drop echo or logprobs", "echo",
+        )
     max_tokens = body.max_tokens or 16
     params = sampling_params(state, body, max_tokens, body.logprobs or 0, wants_prompt_logprobs)
     tokenizer = state.tokenizer

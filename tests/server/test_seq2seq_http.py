@@ -118,6 +118,17 @@ def test_chat_says_why_it_cannot_and_info_names_the_type(served):
     assert body["model_type"] == kind and body["is_encoder_decoder"] is True
 
 
+def test_prompt_logprobs_are_refused_not_invented(served):
+    _, app, want, _ = served
+    refused, echoed = call(
+        app,
+        ("/v1/completions", {"model": "", "prompt": PROMPT, "max_tokens": 2, "echo": True, "logprobs": 1}),
+        ("/v1/completions", {"model": "", "prompt": PROMPT, "max_tokens": NEW, "echo": True, "temperature": 0}),
+    )
+    assert refused.status_code == 400 and "encoder-decoder" in refused.json()["error"]["message"]
+    assert echoed.status_code == 200 and echoed.json()["choices"][0]["text"] == PROMPT + want
+
+
 def test_long_inputs_are_refused_not_truncated(served):
     _, app, _, _ = served
     long = " ".join(["the quick brown dog"] * 40)
