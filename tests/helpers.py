@@ -66,6 +66,18 @@ def engine_for(model, config: ModelConfig, tokenizer=None, device: str = "cpu", 
     return Engine(loaded, EngineConfig(**engine_kw))
 
 
+def _all_rows_on(adapter: LoraAdapter | None, model, rows: int, encoder_rows: int, device: str, dtype) -> LoraRows | None:
+    """Every row of every kind on `adapter`, from a one-slot table of its own (None: no adapter). The model's
+    LoRA wrappers hold no adapter state, so nothing outlives the call."""
+    if adapter is None:
+        return None
+    slots = LoraSlots(model, 1, torch.device(device), dtype)
+    slots.install(0, adapter)
+    segment = [LoraSegment(0, 0, rows)]
+    encoder = [LoraSegment(0, 0, encoder_rows)] if encoder_rows else []
+    return LoraRows(tokens=segment, logits=segment, weights=slots.tables, encoder=encoder, dtype=dtype)
+
+
 @torch.inference_mode()
 def full_logits(
     model, config: ModelConfig, token_ids: list[int], device: str = "cpu", adapter: LoraAdapter | None = None
@@ -80,12 +92,7 @@ def full_logits(
     request = Request("probe", list(token_ids), SamplingParams(max_new_tokens=1), 0, 0.0)
     request.block_ids = list(range(-(-len(token_ids) // 16)))
     batch = runner._build_batch([ScheduledRequest(request, len(token_ids))])
-    lora = None
-    if adapter is not None:
-        slots = LoraSlots(model, 1, torch.device(device), dtype)
-        slots.install(0, adapter)
-        rows = [LoraSegment(0, 0, len(token_ids))]
-        lora = LoraRows(tokens=rows, logits=rows, weights=slots.tables)
+    lora = _all_rows_on(adapter, model, len(token_ids), 0, device, dtype)
     with forward_context(ForwardContext(batch.metadata, runner.kv_caches, runner.backend, lora)):
         hidden = model(batch.input_ids, batch.positions)
         return model.compute_logits(hidden).float()
@@ -107,13 +114,7 @@ def encoder_decoder_logits(
     request.block_ids = list(range(own))
     request.cross_block_ids = list(range(own, own + -(-len(encoder_ids) // 16)))
     batch = runner._build_batch([ScheduledRequest(request, len(decoder_ids))])
-    lora = None
-    if adapter is not None:
-        slots = LoraSlots(model, 1, torch.device(device), dtype)
-        slots.install(0, adapter)
-        rows = [LoraSegment(0, 0, len(decoder_ids))]
-        lora = LoraRows(tokens=rows, logits=rows, weights=slots.tables, encoder=[LoraSegment(0, 0, len(encoder_ids))],
-                        dtype=dtype)
+    lora = _all_rows_on(adapter, model, len(decoder_ids), len(encoder_ids), device, dtype)
     with forward_context(ForwardContext(batch.metadata, runner.kv_caches, runner.backend, lora)):
         hidden = runner._forward([ScheduledRequest(request, len(decoder_ids))], batch, lora)
         return model.compute_logits(hidden).float()

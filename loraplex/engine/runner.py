@@ -343,7 +343,8 @@ class ModelRunner:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
         md = batch.metadata
-        decode_seqs = [s for s in range(len(scheduled)) if s not in set(md.prefill_seqs)]
+        prefilling = set(md.prefill_seqs)
+        decode_seqs = [s for s in range(len(scheduled)) if s not in prefilling]
         groups = [
             DecodeGroup(long(g), long([md.query_start_loc[s] for s in g]), long([lens[s] for s in g]), max(lens[s] for s in g))
             for g in group_by_length(decode_seqs, lens)

@@ -130,8 +130,8 @@ class TorchAttentionBackend:
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v)
 
         out = torch.empty_like(q)
-        for group in md.decode_groups:
-            out[group.rows] = self._decode(layer, q[group.rows], key_cache, value_cache, md.block_tables, group)
+        for g, group in enumerate(md.decode_groups):
+            out[group.rows] = self._decode(layer, q[group.rows], key_cache, value_cache, md, g)
         for s in md.prefill_seqs:
             start, end = md.query_start_loc[s], md.query_start_loc[s + 1]
             seq_len = md.seq_lens[s]
@@ -140,7 +140,7 @@ class TorchAttentionBackend:
             else:
                 keys, values = self._gather(key_cache, value_cache, md.block_tables[s : s + 1], seq_len)
                 keys, values = keys[0], values[0]
-            out[start:end] = self._prefill(layer, q[start:end], keys, values, seq_len)
+            out[start:end] = self._prefill(layer, q[start:end], keys, values, seq_len, md, s)
         return out
 
     def encoder_forward(self, layer, q, k, v, md):
@@ -153,7 +153,8 @@ class TorchAttentionBackend:
             mask = None
             if layer.has_score_bias:  # [1, H, L, L]
                 pos = torch.arange(end - start, device=q.device)
-                mask = layer.score_bias(pos[None, :] - pos[:, None]).permute(2, 0, 1)[None].to(q.dtype)
+                bias = _step_bias(layer, md, ("encoder", end - start), lambda: pos[None, :] - pos[:, None])
+                mask = bias.permute(2, 0, 1)[None].to(q.dtype)
             attended = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
             out[start:end] = attended[0].transpose(0, 1)
         return out
@@ -200,9 +201,10 @@ class TorchAttentionBackend:
         values = value_cache.index_select(0, flat_table).view(batch, nb * block_size, heads, dim)[:, :max_len]
         return keys, values
 
-    def _decode(self, layer, q, key_cache, value_cache, block_tables, group):
+    def _decode(self, layer, q, key_cache, value_cache, md, g):
+        group = md.decode_groups[g]
         seq_lens, max_len = group.seq_lens, group.max_len
-        keys, values = self._gather(key_cache, value_cache, block_tables[group.seqs], max_len)
+        keys, values = self._gather(key_cache, value_cache, md.block_tables[group.seqs], max_len)
         key_pos = torch.arange(max_len, device=q.device)
         visible = key_pos[None, :] < seq_lens[:, None]
         if layer.sliding_window is not None:
@@ -212,8 +214,9 @@ class TorchAttentionBackend:
         batch = q.shape[0]
         mask = visible[:, None, None, :]
         if layer.has_score_bias:  # one mask row per query head: [Bd, Hkv, H/Hkv, max_len]
-            distance = key_pos[None, :] - (seq_lens[:, None] - 1)  # the query sits at seq_len - 1
-            bias = layer.score_bias(distance).permute(0, 2, 1).reshape(batch, layer.num_kv_heads, -1, max_len)
+            # The query sits at seq_len - 1.
+            bias = _step_bias(layer, md, ("decode", g), lambda: key_pos[None, :] - (seq_lens[:, None] - 1))
+            bias = bias.permute(0, 2, 1).reshape(batch, layer.num_kv_heads, -1, max_len)
             mask = _biased_mask(bias, mask, q.dtype)
         out = F.scaled_dot_product_attention(
             q.view(batch, layer.num_kv_heads, -1, layer.head_dim),
@@ -224,7 +227,7 @@ class TorchAttentionBackend:
         )
         return out.reshape(batch, layer.num_heads, layer.head_dim)
 
-    def _prefill(self, layer, q, keys, values, seq_len):
+    def _prefill(self, layer, q, keys, values, seq_len, md, s):
         num_new = q.shape[0]
         context = seq_len - num_new
         # 4-D [1, H, T, D]: with a batch dimension, SDPA takes its fused CPU kernel (3-D falls back to math).
@@ -240,10 +243,21 @@ class TorchAttentionBackend:
                 visible &= k_pos > q_pos - layer.sliding_window
             mask = visible
             if layer.has_score_bias:  # [1, H, new, seq_len]
-                bias = layer.score_bias(k_pos - q_pos).permute(2, 0, 1)[None]
+                bias = _step_bias(layer, md, ("prefill", s), lambda: k_pos - q_pos).permute(2, 0, 1)[None]
                 mask = _biased_mask(bias, visible[None, None], q.dtype)
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
         return out[0].transpose(0, 1)
+
+
+def _step_bias(layer, md: AttentionMetadata, key: tuple, distance) -> torch.Tensor:
+    """`layer.score_bias(distance())` [..., H]. A bias that every layer of a stack shares (T5's) is computed
+    once per step and kept in the step's metadata; ALiBi's slopes are per layer and cheap: computed each time."""
+    if layer.position_bias is None:
+        return layer.score_bias(distance())
+    shared = (id(layer.position_bias), *key)
+    if shared not in md.step_cache:
+        md.step_cache[shared] = layer.score_bias(distance())
+    return md.step_cache[shared]
 
 
 def _biased_mask(bias: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -60,6 +60,8 @@ class AttentionMetadata:
     decode_groups: list["DecodeGroup"]
     prefill_seqs: list[int]  # the other sequences, handled one by one
     encoder: EncoderMetadata | None = None  # encoder-decoder models only
+    # What a backend computes once per step for all layers (a stack's shared position bias), by its key.
+    step_cache: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -47,15 +47,7 @@ class RelativePositionBias:
         self.bidirectional = bidirectional
         self.num_buckets = num_buckets
         self.max_distance = max_distance
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, distance: torch.Tensor) -> torch.Tensor:
-        # Every layer of a stack asks for the same distances in a step: the last answer is kept for them.
-        last = self._last
-        if last is not None and last[0].shape == distance.shape and last[0].device == distance.device \
-                and torch.equal(last[0], distance):
-            return last[1]
         buckets = relative_position_bucket(distance, self.bidirectional, self.num_buckets, self.max_distance)
-        bias = self.table(buckets).float()
-        self._last = (distance, bias)
-        return bias
+        return self.table(buckets).float()
