@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraplex.multimodal.config import MediaConfig
+
+if TYPE_CHECKING:
+    from loraplex.models.mllama_vision import MllamaVisionSettings
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 T5_FAMILY = ("t5", "mt5")
@@ -113,6 +116,17 @@ class BartSettings:
 
 
 @dataclass(frozen=True)
+class MllamaSettings:
+    """Llama 3.2 Vision (Mllama): which text layers are gated cross-attention layers (indices into the
+    whole layer list, as transformers counts them), the image token (outside the head's vocabulary: the
+    embedding has 8 rows more) and the image encoder."""
+
+    cross_attention_layers: tuple[int, ...]
+    image_token_id: int
+    vision: "MllamaVisionSettings"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -137,12 +151,15 @@ class ModelConfig:
     encoder_decoder: EncoderDecoderConfig | None = None  # T5 and BART (num_layers etc. describe the decoder)
     t5: T5Settings | None = None
     bart: BartSettings | None = None
+    mllama: MllamaSettings | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         model_type = hf.get("model_type", "llama")
         if model_type == "llava_next":
             return _llava_next_from_hf(hf)
+        if model_type == "mllama":
+            return _mllama_from_hf(hf)
         if model_type == "mpt":
             return _mpt_from_hf(hf)
         if model_type in T5_FAMILY:
@@ -150,7 +167,7 @@ class ModelConfig:
         if model_type in BART_FAMILY:
             return _bart_from_hf(hf)
         if model_type not in LLAMA_FAMILY:
-            supported = ", ".join((*LLAMA_FAMILY, "llava_next", "mpt", *T5_FAMILY, *BART_FAMILY))
+            supported = ", ".join((*LLAMA_FAMILY, "llava_next", "mllama", "mpt", *T5_FAMILY, *BART_FAMILY))
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {supported}")
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
@@ -247,6 +264,37 @@ def _llava_next_from_hf(hf: dict[str, Any]) -> ModelConfig:
             projector_hidden_act=projector_act,
             multimodal_projector_bias=bool(full.get("multimodal_projector_bias", True)),
         ),
+    )
+
+
+def _mllama_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Mllama: a Llama text model (`text_config`, its cross-attention layers counted in num_hidden_layers)
+    and the vision encoder of `vision_config`."""
+    from transformers import MllamaConfig  # configs only: it fills in the defaults
+
+    from loraplex.models.mllama_vision import vision_config_from_hf  # models import this module
+
+    try:
+        full = MllamaConfig.from_dict(hf).to_dict()
+    except Exception as e:
+        raise ValueError(f"invalid mllama config: {e}") from e
+    text = full["text_config"]
+    layers, vocab = text["num_hidden_layers"], text["vocab_size"]
+    cross = tuple(text.get("cross_attention_layers") or ())
+    token = hf.get("image_token_index", full.get("image_token_index"))
+    _check("text_config.cross_attention_layers", cross,
+           all(isinstance(i, int) and 0 <= i < layers for i in cross) and len(set(cross)) == len(cross),
+           f"each must index the {layers} text layers once")
+    _check("image_token_index", token, isinstance(token, int) and vocab <= token < vocab + 8,
+           f"the embedding's extra rows are ids {vocab}..{vocab + 7}")
+    base = ModelConfig.from_hf({**text, "model_type": "llama"})
+    tie = hf["tie_word_embeddings"] if "tie_word_embeddings" in hf else base.tie_word_embeddings
+    _check("tie_word_embeddings", tie, not tie, "the embedding has 8 rows more than the head")
+    return replace(
+        base,
+        model_type="mllama",
+        tie_word_embeddings=False,
+        mllama=MllamaSettings(tuple(sorted(cross)), token, vision_config_from_hf(full["vision_config"])),
     )
 
 

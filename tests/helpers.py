@@ -268,3 +268,18 @@ def live_server(*args: str, ready_timeout: float = 180) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@torch.inference_mode()
+def image_model_logits(engine, token_ids: list[int], images=None) -> torch.Tensor:
+    """Logits at every prompt position of one request with `images` (Mllama: image states), through the
+    engine's runner in one prefill step (the image states are made, stored and read in it)."""
+    request = engine.add_request(list(token_ids), SamplingParams(max_new_tokens=1), images=images)
+    scheduled = engine.scheduler.schedule().scheduled
+    assert [s.request for s in scheduled] == [request] and scheduled[0].num_new_tokens == len(token_ids)
+    runner = engine.runner
+    batch = runner._build_batch(scheduled)
+    with forward_context(ForwardContext(batch.metadata, runner.kv_caches, runner.backend, None)):
+        logits = engine.runner.model.compute_logits(runner._forward(scheduled, batch, None)).float()
+    engine.abort_request(request.request_id)
+    return logits

@@ -9,11 +9,12 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from loraplex.config import EngineConfig, ModelConfig
+from loraplex.engine.image_states import ImageStateLayout
 from loraplex.engine.images import ImageInputs
 from loraplex.engine.kv_cache import blocks_for
 from loraplex.engine.loading import LoadedModel, load_model
@@ -142,10 +143,16 @@ class Engine:
             raise RequestRefused(
                 f"prompt has {len(prompt_ids)} tokens; must be <= {self.config.max_input_length} (max input length)"
             )
-        encoder_ids = None
+        encoder_ids, num_states = None, 0
         if self.is_encoder_decoder:  # the prompt is the encoder's input; the decoder starts from one token
             encoder_ids, prompt_ids = list(prompt_ids), [self.model_config.encoder_decoder.decoder_start_token_id]
-            self._check_encoder_input(encoder_ids, params)
+            self._check_encoder_input(encoder_ids)
+            num_states = len(encoder_ids)
+        if images is not None and self.model_config.mllama is not None:
+            images = self._with_state_layout(prompt_ids, images)
+            num_states = images.layout.num_states
+        if num_states:
+            self._check_states_fit(num_states, len(prompt_ids), params)
         limit = self.max_total_tokens
         if len(prompt_ids) + params.max_new_tokens > limit:
             raise RequestRefused(
@@ -156,7 +163,8 @@ class Engine:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(
-            request_id, list(prompt_ids), params, seed, time.monotonic(), images=images, encoder_ids=encoder_ids
+            request_id, list(prompt_ids), params, seed, time.monotonic(), images=images, encoder_ids=encoder_ids,
+            num_states=num_states,
         )
         if adapter is not None:
             self._use_adapter(adapter)
@@ -194,29 +202,51 @@ class Engine:
         encoder-decoder model only the decoder's start token (the prompt is the encoder's input)."""
         return 1 if self.is_encoder_decoder else num_prompt_tokens
 
-    def _check_encoder_input(self, encoder_ids: list[int], params: SamplingParams) -> None:
-        """The encoder input must fit the model's positions and, with the decoder's longest sequence,
-        the KV cache (its cross-attention states take blocks too)."""
+    def _check_encoder_input(self, encoder_ids: list[int]) -> None:
+        """The encoder input must fit the model's positions."""
         most = self.model_config.encoder_decoder.max_source_positions
         if most is not None and len(encoder_ids) > most:
             raise RequestRefused(f"prompt has {len(encoder_ids)} tokens; the model's encoder takes at most {most}")
+
+    def _check_states_fit(self, num_states: int, prompt_tokens: int, params: SamplingParams) -> None:
+        """A request's cross-attention states and its longest sequence must fit the KV cache together (the
+        states take blocks of it too)."""
         bs = self.scheduler.config.block_size
-        needed = blocks_for(len(encoder_ids), bs) + blocks_for(1 + params.max_new_tokens, bs)
+        needed = blocks_for(num_states, bs) + blocks_for(prompt_tokens + params.max_new_tokens, bs)
         if needed > self.scheduler.config.num_blocks:
+            source = "of its images" if self.model_config.mllama is not None else "of its prompt, the encoder's input"
             raise RequestRefused(
-                f"prompt tokens ({len(encoder_ids)}) and max_new_tokens ({params.max_new_tokens}) need "
-                f"{needed * bs} KV cache slots; the cache has {self.kv_capacity_tokens}"
+                f"the request's {num_states} cross-attention states ({source}), {prompt_tokens} sequence tokens and "
+                f"max_new_tokens ({params.max_new_tokens}) need {needed * bs} KV cache slots; "
+                f"the cache has {self.kv_capacity_tokens}"
             )
 
     @property
     def takes_images(self) -> bool:
-        return self.runner.image_features is not None
+        return self.runner.takes_images
 
     def _check_images(self, prompt_ids: list[int], images: ImageInputs) -> None:
         if not self.takes_images:
             raise RequestRefused(f"model {self.model_id!r} does not take images (it is a text-only model)")
         if not images.positions or images.positions[-1] >= len(prompt_ids) or images.num_images == 0:
             raise RequestRefused("the images have no placeholder tokens in the prompt")
+
+    def _with_state_layout(self, prompt_ids: list[int], images: ImageInputs) -> ImageInputs:
+        """Mllama: one image token per image, the processor's tiling, and where the image states will live."""
+        vision = self.model_config.mllama.vision
+        if len(images.positions) != images.num_images:
+            raise RequestRefused(
+                f"the prompt has {len(images.positions)} image tokens for {images.num_images} images (one each)"
+            )
+        if images.aspect_ratio_ids is None or images.aspect_ratio_mask is None:
+            raise RequestRefused("the images lack the processor's aspect_ratio_ids / aspect_ratio_mask")
+        tiles = images.pixel_values.shape[1]
+        if tiles != vision.max_num_tiles or min(images.real_tiles) < 1:
+            raise RequestRefused(f"each image needs {vision.max_num_tiles} tiles (real ones first); got {tiles}")
+        layout = ImageStateLayout.build(
+            images.positions, len(prompt_ids), images.real_tiles, tiles, self.runner.model.states_per_tile
+        )
+        return replace(images, layout=layout)
 
     def _use_adapter(self, adapter: LoraAdapter) -> None:
         unknown = set(adapter.modules) - set(self.lora.layers)

@@ -11,34 +11,64 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from loraplex.layers.forward_context import lora_segments
+
+if TYPE_CHECKING:
+    from loraplex.engine.image_states import ImageStateLayout
 
 
 @dataclass
 class ImageInputs:
     """One request's images as its model's Hugging Face processor returned them."""
 
-    pixel_values: torch.Tensor  # LLaVA-NeXT: [images, max_tiles, 3, H, W], zero-padded tiles
+    pixel_values: torch.Tensor  # [images, max_tiles, 3, H, W], zero-padded tiles
     image_sizes: list[tuple[int, int]]  # (height, width) of each original image
-    token_id: int  # the placeholder token each image was expanded into
+    token_id: int  # the placeholder token each image was expanded into (Mllama: one per image)
     positions: list[int] = field(default_factory=list)  # prompt positions of the placeholders, in order
+    # Mllama: each image's aspect ratio id [images] and which of its tiles are real [images, max_tiles].
+    aspect_ratio_ids: torch.Tensor | None = None
+    aspect_ratio_mask: torch.Tensor | None = None
+    # Mllama: where the request's image states are kept and which each row sees (set by the engine).
+    layout: "ImageStateLayout | None" = None
 
     @classmethod
-    def for_prompt(cls, prompt_ids: list[int], pixel_values: torch.Tensor, image_sizes, token_id: int) -> "ImageInputs":
+    def for_prompt(cls, prompt_ids: list[int], pixel_values: torch.Tensor, image_sizes, token_id: int, **extra) -> "ImageInputs":
         positions = [i for i, t in enumerate(prompt_ids) if t == token_id]
-        return cls(pixel_values, [tuple(s) for s in image_sizes], token_id, positions)
+        return cls(pixel_values, [tuple(s) for s in image_sizes], token_id, positions, **extra)
+
+    def for_ids(self, prompt_ids: list[int]) -> "ImageInputs":
+        """The same images for another prompt (one cut from this one): placeholders found again."""
+        return replace(self, positions=[i for i, t in enumerate(prompt_ids) if t == self.token_id], layout=None)
 
     @property
     def num_images(self) -> int:
-        return len(self.image_sizes)
+        return self.pixel_values.shape[0]
+
+    @property
+    def real_tiles(self) -> list[int]:
+        """Mllama: how many of each image's tiles are real (the rest are padding)."""
+        return [int(n) for n in self.aspect_ratio_mask.sum(dim=1).tolist()]
 
     def placeholders_in(self, start: int, end: int) -> tuple[int, int]:
         """The placeholders (as indices into `positions`, i.e. feature rows) that lie in [start, end)."""
         return bisect.bisect_left(self.positions, start), bisect.bisect_left(self.positions, end)
+
+
+@dataclass
+class VisionCounters:
+    """Totals of the image encoder's work, for metrics."""
+
+    encoded_images: int = 0
+    encode_seconds: float = 0.0  # host time (on CUDA: launch time only)
+
+    def record(self, images: int, seconds: float) -> None:
+        self.encoded_images += images
+        self.encode_seconds += seconds
 
 
 class ImageFeatures:
@@ -46,8 +76,7 @@ class ImageFeatures:
 
     def __init__(self) -> None:
         self._by_request: dict[str, torch.Tensor] = {}
-        self.encoded_images = 0  # totals, for metrics
-        self.encode_seconds = 0.0
+        self.counters = VisionCounters()
 
     def get(self, request_id: str) -> torch.Tensor | None:
         return self._by_request.get(request_id)
@@ -110,8 +139,7 @@ def _encode_missing(requests, model, features: ImageFeatures, lora) -> None:
     weight = next(model.parameters())
     started = time.perf_counter()
     encoded = model.encode_images(pixel_values.to(weight.device, weight.dtype), sizes)
-    features.encoded_images += len(sizes)
-    features.encode_seconds += time.perf_counter() - started  # host time (on CUDA: launch time only)
+    features.counters.record(len(sizes), time.perf_counter() - started)
     i = 0
     for r in todo:
         mine = torch.cat(encoded[i : i + r.images.num_images])

@@ -117,7 +117,8 @@ def load_model(
     tokenizer = Tokenizer.from_pretrained(str(source.path), extra_eos_ids=_generation_eos_ids(source, model_config))
     if config.chat_template:
         tokenizer.hf.chat_template = pathlib.Path(config.chat_template).read_text()
-    processor = _processor(source) if model_config.vision is not None else None
+    takes_images = model_config.vision is not None or model_config.mllama is not None
+    processor = _processor(source) if takes_images else None
     log(f"model loaded in {time.perf_counter() - started:.1f}s")
     return LoadedModel(model, model_config, tokenizer, device, dtype, source.model_id, processor)
 

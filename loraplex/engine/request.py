@@ -47,9 +47,13 @@ class Request:
     images: Any = None
     # Encoder-decoder models: the encoder's input (what the client sent; `prompt_ids` is then the decoder's
     # start, [decoder_start_token_id]), and the KV blocks holding its cross-attention states while running.
-    # The encoder runs at the request's first step after each admission (num_computed_tokens == 0).
+    # The encoder (or a vision model's image encoder) runs at the request's first step after each
+    # admission (num_computed_tokens == 0).
     encoder_ids: list[int] | None = None
     cross_block_ids: list[int] = field(default_factory=list)
+    # States its cross-attention layers read (an encoder's output rows, a vision model's image states;
+    # 0: none), kept in `cross_block_ids` while it runs. Set by the engine, which knows the model.
+    num_states: int = 0
 
     @property
     def num_tokens(self) -> int:

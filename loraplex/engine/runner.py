@@ -6,13 +6,14 @@ per-request state every step, so a request that finishes simply stops being sche
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from loraplex.engine.images import ImageFeatures, step_input_embeds
+from loraplex.engine.images import ImageFeatures, VisionCounters, step_input_embeds
 from loraplex.engine.scheduler import ScheduledRequest
 from loraplex.layers.attention import AttentionBackend, TorchAttentionBackend
 from loraplex.layers.forward_context import (
@@ -54,7 +55,8 @@ class _Batch:
     # Encoder-decoder models: the inputs of the encoders that run this step (None: none runs).
     encoder_ids: torch.Tensor | None = None
     encoder_positions: torch.Tensor | None = None
-    encoding: list[int] = field(default_factory=list)  # the step's sequences whose encoder runs
+    # The step's sequences whose states are made this step (their encoder or image encoder runs).
+    encoding: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -115,12 +117,22 @@ class ModelRunner:
             num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device
         )
         self.sampler = Sampler()
-        # Per-request image features while prompts are prefilled (models that take images only).
+        # Per-request image features while prompts are prefilled (models that put images in the token stream).
         self.image_features = ImageFeatures() if hasattr(model, "encode_images") else None
         self.stacked_rows_per_segment = STACKED_ROWS_PER_SEGMENT.get(device.type, 8)
-        # Encoder-decoder models: each request's encoder runs at its first step (after each admission).
+        # Models whose cross-attention reads per-request states, made at a request's first step (after each
+        # admission): an encoder-decoder's encoder output, or a vision model's image states (Mllama).
         self.encoder_decoder = hasattr(model, "encode")
+        self.image_states = hasattr(model, "image_states")
+        self.vision_counters = (
+            self.image_features.counters if self.image_features is not None
+            else VisionCounters() if self.image_states else None
+        )
         self.forced_tokens = forced_tokens or ForcedTokens()
+
+    @property
+    def takes_images(self) -> bool:
+        return self.vision_counters is not None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], fresh_blocks: Sequence[int] = ()) -> list[StepResult]:
@@ -145,7 +157,7 @@ class ModelRunner:
         lora = self._lora_rows(slots, [starts[i + 1] - starts[i] for i in range(len(slots))])
         if lora is not None and batch.encoding:  # encoder rows (and the states made from them) by request
             lora.encoder = lora_segments(
-                [slots[i] for i in batch.encoding], [len(scheduled[i].request.encoder_ids) for i in batch.encoding]
+                [slots[i] for i in batch.encoding], [scheduled[i].request.num_states for i in batch.encoding]
             )
         ctx = ForwardContext(batch.metadata, self.kv_caches, self.backend, lora)
         results = [StepResult() for _ in scheduled]
@@ -182,6 +194,9 @@ class ModelRunner:
             if batch.encoder_ids is not None:  # several requests' encoders in one call, rows concatenated
                 encoded = self.model.encode(batch.encoder_ids, batch.encoder_positions)
             return self.model(batch.input_ids, batch.positions, encoder_hidden=encoded)
+        if self.image_states:
+            made = self._image_states([scheduled[i].request for i in batch.encoding], lora) if batch.encoding else None
+            return self.model(batch.input_ids, batch.positions, cross_states=made)
         if self.image_features is None:
             return self.model(batch.input_ids, batch.positions)
         embeds = step_input_embeds(
@@ -193,6 +208,29 @@ class ModelRunner:
             if request.images is not None and request.num_computed_tokens + item.num_new_tokens >= len(request.prompt_ids):
                 self.image_features.drop(request.request_id)
         return hidden
+
+    def _image_states(self, requests: list, lora: LoraRows | None) -> torch.Tensor:
+        """The image states of `requests` [their num_states, hidden], each request's in its layout's order.
+
+        All their images go through the image encoder as one batch, each request's contiguous (in slot
+        order: one LoRA segment per adapter, counted in images)."""
+        if lora is not None:
+            lora.patches = lora_segments([r.adapter_slot for r in requests], [r.images.num_images for r in requests])
+        weight = next(self.model.parameters())
+        started = time.perf_counter()
+        states = self.model.image_states(
+            torch.cat([r.images.pixel_values for r in requests]).to(weight.device, weight.dtype),
+            torch.cat([r.images.aspect_ratio_ids for r in requests]).to(weight.device),
+            torch.cat([r.images.aspect_ratio_mask for r in requests]).to(weight.device),
+        )  # [images, tiles, states_per_tile, hidden]
+        self.vision_counters.record(states.shape[0], time.perf_counter() - started)
+        per_request, first = [], 0
+        for r in requests:
+            mine = states[first : first + r.images.num_images].flatten(0, 1)  # [tiles, states_per_tile, hidden]
+            first += r.images.num_images
+            order = torch.tensor(r.images.layout.tile_order, device=mine.device)
+            per_request.append(mine.index_select(0, order).flatten(0, 1))
+        return torch.cat(per_request)
 
     def forget(self, request_id: str) -> None:
         """Drop what the runner holds for a request that left the engine."""
@@ -266,9 +304,14 @@ class ModelRunner:
         last = min(start + item.num_new_tokens, len(request.prompt_ids) - 1)  # inclusive
         if last >= first:
             rows = hidden[first - 1 - start : last - start]
-            targets = torch.tensor(request.prompt_ids[first : last + 1], device=self.device)
             self._set_logits_rows(lora, [request.adapter_slot], [rows.shape[0]])
-            values += token_logprobs(self.model.compute_logits(rows), targets).tolist()
+            logits = self.model.compute_logits(rows)
+            # A token the head cannot produce (Mllama's image token, past its vocabulary) has no logprob.
+            ids = request.prompt_ids[first : last + 1]
+            producible = [0 <= t < logits.shape[1] for t in ids]
+            targets = torch.tensor([t if ok else 0 for t, ok in zip(ids, producible)], device=self.device)
+            scored = token_logprobs(logits, targets).tolist()
+            values += [v if ok else None for v, ok in zip(scored, producible)]
         return values
 
     def _build_batch(self, scheduled: list[ScheduledRequest]) -> _Batch:
@@ -313,13 +356,18 @@ class ModelRunner:
             prefill_seqs=prefill_seqs,
         )
         batch = _Batch(long(input_ids), long(positions), metadata)
-        if self.encoder_decoder:
-            self._add_encoder(scheduled, batch)
+        if self.encoder_decoder or self.image_states:
+            self._add_states(scheduled, batch)
         return batch
 
-    def _add_encoder(self, scheduled: list[ScheduledRequest], batch: _Batch) -> None:
-        """Encoder rows of the requests at their first step, and where every sequence's cross-attention
-        states live (its own blocks; table padded with its own last block)."""
+    def _add_states(self, scheduled: list[ScheduledRequest], batch: _Batch) -> None:
+        """Cross-attention states: the rows of the states made this step (an encoder's inputs, or the
+        image states the forward pass makes), where every sequence's states live (its own blocks; table
+        padded with its own last block) and, for image states, which of them each token row sees. No
+        metadata when no sequence has states (text-only requests of a vision model)."""
+        lens = [item.request.num_states for item in scheduled]
+        if not any(lens):
+            return
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -327,28 +375,54 @@ class ModelRunner:
         query_start_loc = [0]
         for s, item in enumerate(scheduled):
             request = item.request
-            assert request.encoder_ids and request.cross_block_ids, "an encoder-decoder request without its states"
-            if request.num_computed_tokens == 0:
-                n = len(request.encoder_ids)
+            assert bool(request.num_states) == bool(request.cross_block_ids), "states without their blocks"
+            if request.num_states and request.num_computed_tokens == 0:
+                n = request.num_states
                 batch.encoding.append(s)
-                ids += request.encoder_ids
-                positions += range(n)
+                if request.encoder_ids is not None:
+                    ids += request.encoder_ids
+                    positions += range(n)
                 slots += [request.cross_block_ids[p // bs] * bs + p % bs for p in range(n)]
                 query_start_loc.append(query_start_loc[-1] + n)
         widest = max(len(item.request.cross_block_ids) for item in scheduled)
-        tables = [b + b[-1:] * (widest - len(b)) for b in (item.request.cross_block_ids for item in scheduled)]
-        lens = [len(item.request.encoder_ids) for item in scheduled]
+        # A sequence without states gets block 0's row: it is never read (its cross-attention output is zero).
+        tables = [b + b[-1:] * (widest - len(b)) if b else [0] * widest
+                  for b in (item.request.cross_block_ids for item in scheduled)]
 
         def long(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
         md = batch.metadata
         prefilling = set(md.prefill_seqs)
-        decode_seqs = [s for s in range(len(scheduled)) if s not in prefilling]
+        decode_seqs = [s for s in range(len(scheduled)) if s not in prefilling and lens[s]]
         groups = [
             DecodeGroup(long(g), long([md.query_start_loc[s] for s in g]), long([lens[s] for s in g]), max(lens[s] for s in g))
             for g in group_by_length(decode_seqs, lens)
         ]
         md.encoder = EncoderMetadata(query_start_loc, long(slots), long(tables), lens, groups)
+        if self.image_states:
+            self._add_visible_states(scheduled, md.encoder)
         if ids:
             batch.encoder_ids, batch.encoder_positions = long(ids), long(positions)
+
+    def _add_visible_states(self, scheduled: list[ScheduledRequest], encoder: EncoderMetadata) -> None:
+        """Per token row, the range of its request's image states it sees and whether it sees any."""
+        first: list[int] = []
+        end: list[int] = []
+        seeing: list[bool] = []
+        for item in scheduled:
+            request, n = item.request, item.num_new_tokens
+            layout = request.images.layout if request.images is not None else None
+            if layout is None:  # text-only: sees nothing (its cross-attention output is zero)
+                first += [0] * n
+                end += [0] * n
+                seeing += [False] * n
+                continue
+            rows = layout.rows(request.num_computed_tokens, request.num_computed_tokens + n)
+            first += rows[0]
+            end += rows[1]
+            seeing += rows[2]
+        encoder.row_first = torch.tensor(first, dtype=torch.long, device=self.device)
+        encoder.row_end = torch.tensor(end, dtype=torch.long, device=self.device)
+        if not all(seeing):
+            encoder.rows_seeing = torch.tensor(seeing, dtype=torch.bool, device=self.device)

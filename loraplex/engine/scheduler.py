@@ -8,9 +8,10 @@ Policy:
   running-request cap and the free KV blocks (less a small watermark) allow. A prompt longer than the
   budget is prefilled in chunks over several steps.
 - No admission in a step that had to preempt: the cache is full, admitting would only thrash.
-- An encoder-decoder request also holds KV blocks for its cross-attention states (its encoder input's
-  length), taken at admission and freed with the rest; its encoder tokens count against the prefill
-  budget of the step that admits it (the encoder runs then, whole: it cannot be chunked).
+- A request with cross-attention states (an encoder-decoder's encoder output, a vision model's image
+  states) also holds KV blocks for them, taken at admission and freed with the rest; an encoder's tokens
+  count against the prefill budget of the step that admits it (the encoder runs then, whole: it cannot
+  be chunked).
 - A request for an adapter is admitted only when its adapter holds, or can take, a device slot (see
   `AdapterSlots`: pinned while used, LRU reuse, fair rotation). A request that cannot have a slot yet
   is passed over; requests behind it still start. So at most `num_adapter_slots` distinct adapters
@@ -185,10 +186,10 @@ class Scheduler:
         return own + (0 if request.cross_block_ids else self._cross_blocks(request))
 
     def _cross_blocks(self, request: Request) -> int:
-        return blocks_for(len(request.encoder_ids), self.config.block_size) if request.encoder_ids else 0
+        return blocks_for(request.num_states, self.config.block_size)
 
     def _allocate(self, request: Request, needed: int) -> None:
-        if request.encoder_ids and not request.cross_block_ids:
+        if request.num_states and not request.cross_block_ids:
             cross = self._cross_blocks(request)
             request.cross_block_ids = self.allocator.allocate(cross)
             needed -= cross

@@ -166,12 +166,17 @@ class TorchAttentionBackend:
             num_kv_heads, head_dim = key_cache.shape[2:]
             key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, enc.slot_mapping, k)
             value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, enc.slot_mapping, v)
-        out = torch.empty_like(q)
-        # Decode rows in groups of similar encoder length, each over its own states padded to the group's
+        # Rows of sequences without states stay zero.
+        out = torch.zeros_like(q) if 0 in enc.lens else torch.empty_like(q)
+        # Decode rows in groups of similar state count, each over its own states padded to the group's
         # longest and masked: no sequence ever reads another's states, and padding stays small.
         for group in enc.decode_groups:
             keys, values = self._gather(key_cache, value_cache, enc.block_tables[group.seqs], group.max_len)
-            visible = torch.arange(group.max_len, device=q.device)[None, :] < group.seq_lens[:, None]
+            position = torch.arange(group.max_len, device=q.device)[None, :]
+            if enc.row_first is None:
+                visible = position < group.seq_lens[:, None]
+            else:
+                visible = (position >= enc.row_first[group.rows, None]) & (position < enc.row_end[group.rows, None])
             batch = keys.shape[0]
             attended = F.scaled_dot_product_attention(
                 q[group.rows].view(batch, layer.num_kv_heads, -1, layer.head_dim), keys.transpose(1, 2),
@@ -180,11 +185,18 @@ class TorchAttentionBackend:
             out[group.rows] = attended.reshape(batch, layer.num_heads, layer.head_dim)
         gqa = layer.num_heads != layer.num_kv_heads
         for s in md.prefill_seqs:  # several rows of one sequence (a prompt, or a request resumed)
+            if enc.lens[s] == 0:
+                continue
             start, end = md.query_start_loc[s], md.query_start_loc[s + 1]
             keys, values = self._gather(key_cache, value_cache, enc.block_tables[s : s + 1], enc.lens[s])
+            mask = None
+            if enc.row_first is not None:  # [1, 1, rows, states]
+                position = torch.arange(enc.lens[s], device=q.device)[None, :]
+                mask = (position >= enc.row_first[start:end, None]) & (position < enc.row_end[start:end, None])
+                mask = mask[None, None]
             attended = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1)[None], keys[0].transpose(0, 1)[None], values[0].transpose(0, 1)[None],
-                scale=layer.scale, enable_gqa=gqa,
+                attn_mask=mask, scale=layer.scale, enable_gqa=gqa,
             )
             out[start:end] = attended[0].transpose(0, 1)
         return out

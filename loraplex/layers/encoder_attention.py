@@ -38,11 +38,11 @@ class EncoderAttention(nn.Module):
 
 
 class CrossAttention(nn.Module):
-    """Decoder rows q [T, H, D] attend to their own request's cross-attention states -> [T, H, D].
+    """Token rows q [T, H, D] attend to their own request's cross-attention states -> [T, H, D] (an
+    encoder-decoder's encoder output, a vision model's image states; see `EncoderMetadata`).
 
-    `k`/`v` [E, Hkv, D]: states computed this step from the encoder rows of the requests that start
-    (None when none does); they are stored in decoder layer `layer_index`'s cache and read back on every
-    later step.
+    `k`/`v` [E, Hkv, D]: keys/values of the states made this step, for the requests that start (None when
+    none does); they are stored in layer `layer_index`'s cache and read back on every later step.
     """
 
     def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -53,3 +53,13 @@ class CrossAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
         ctx = get_forward_context()
         return ctx.backend.cross_forward(self, q, k, v, ctx.kv_caches[self.layer_index], ctx.attn_metadata)
+
+    @staticmethod
+    def skipped() -> bool:
+        """No sequence of the step has states: the layer has nothing to attend to."""
+        return get_forward_context().attn_metadata.encoder is None
+
+    @staticmethod
+    def rows_seeing_states() -> torch.Tensor | None:
+        """[T] bool: the rows that see at least one state (None: all do)."""
+        return get_forward_context().attn_metadata.encoder.rows_seeing

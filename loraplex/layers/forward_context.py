@@ -25,22 +25,31 @@ class DecodeGroup:
 
 @dataclass
 class EncoderMetadata:
-    """The encoder side of an encoder-decoder step.
+    """The states cross-attention reads: an encoder-decoder's encoder output, or a vision model's image
+    states (Mllama). Present in a step where at least one sequence has states.
 
-    Encoder rows: the concatenated inputs of the requests whose encoder runs this step (each request's
-    rows contiguous: `query_start_loc` [E + 1]); their cross-attention states are written at
-    `slot_mapping` in every decoder layer's cache. Cross-attention states of all the step's sequences:
-    sequence s reads `lens[s]` states from the blocks of `block_tables[s]` (per-request blocks of the
-    same KV cache, so they are allocated and counted like the decoder's own).
+    State rows made this step: the concatenated states of the requests that start (each request's rows
+    contiguous: `query_start_loc` [E + 1]; an encoder-decoder's encoder rows); their cross-attention keys
+    and values are written at `slot_mapping` in every cross layer's cache. Sequence s reads `lens[s]`
+    states from the blocks of `block_tables[s]` (per-request blocks of the same KV cache, so they are
+    allocated and counted like the sequence's own); `lens[s]` 0: it has none (a text-only request in a
+    vision model's step), its rows' cross-attention output is zero.
     """
 
     query_start_loc: list[int]
     slot_mapping: torch.Tensor  # [E rows] int64
     block_tables: torch.Tensor  # [B, max_blocks] int64
-    lens: list[int]  # [B] encoder length of each of the step's sequences
-    # The decode sequences (one row each) in groups of similar encoder length; a group's `seq_lens` are
-    # encoder lengths. The other sequences are the step's `prefill_seqs`.
+    lens: list[int]  # [B] number of states of each of the step's sequences
+    # The decode sequences (one row each) that have states, in groups of similar count; a group's
+    # `seq_lens` are state counts. The other sequences with states are the step's `prefill_seqs`.
     decode_groups: list[DecodeGroup]
+    # Per token row, the states it sees: [row_first, row_end) of its sequence's (None: all of them).
+    row_first: torch.Tensor | None = None  # [T] int64
+    row_end: torch.Tensor | None = None  # [T] int64
+    # Per token row, whether it sees any state (None: every row does). Rows that do not get no output from
+    # a cross layer, attention or feed-forward (Mllama's rows before a request's first image, text-only
+    # requests).
+    rows_seeing: torch.Tensor | None = None  # [T] bool
 
 
 @dataclass

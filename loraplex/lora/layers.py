@@ -26,12 +26,16 @@ from loraplex.lora.kernels import add_lora, add_lora_stacked
 from loraplex.quantization import dequantized_weight
 
 # Which rows a LoRA-wrapped linear sees (DESIGN.md 7), by its module path: the output head sees the rows
-# handed to compute_logits; a vision tower and its projector see image tiles, each owned by the request
-# whose image it is; an encoder-decoder's encoder sees the encoder rows of the requests it runs for, and
-# its cross-attention key/value projections see those rows' encoder output (the `states`); everything
-# else sees the step's token rows.
-_IMAGE_MODULES = ("vision_tower.", "multi_modal_projector.")
-_STATE_MODULES = ("EncDecAttention.k", "EncDecAttention.v", "encoder_attn.k_proj", "encoder_attn.v_proj")
+# handed to compute_logits; a vision tower and its projector see images (LLaVA: tiles; Mllama: whole
+# images), each owned by the request whose image it is; an encoder-decoder's encoder sees the encoder rows
+# of the requests it runs for; cross-attention key/value projections see the states they read (an
+# encoder's output, Mllama's image states), each request's own (`states`); everything else sees the
+# step's token rows.
+_IMAGE_MODULES = ("vision_tower.", "vision_model.", "multi_modal_projector")
+_STATE_MODULES = (
+    "EncDecAttention.k", "EncDecAttention.v", "encoder_attn.k_proj", "encoder_attn.v_proj",  # T5, BART
+    "cross_attn.k_proj", "cross_attn.v_proj",  # Mllama
+)
 _ENCODER_STACKS = ("encoder", "model.encoder")  # T5's and BART's encoder stacks
 
 

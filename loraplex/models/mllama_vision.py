@@ -260,6 +260,10 @@ class MllamaImageEncoder(nn.Module):
         ordered batch, image, tile. The text model's cross-attention views it per sequence as
         [batch, images * tiles * num_patches, text_hidden]."""
         states = self.vision_model(pixel_values, aspect_ratio_ids, aspect_ratio_mask)
-        return self.multi_modal_projector(states).reshape(-1, states.shape[-2], self.text_hidden_size)
+        batch, images, tiles, tokens, features = states.shape
+        # [images, tiles * tokens, features]: the projector sees one item per image, as the vision layers do
+        # (per-image LoRA rows are counted in images).
+        projected = self.multi_modal_projector(states.reshape(batch * images, tiles * tokens, features))
+        return projected.reshape(-1, tokens, self.text_hidden_size)
 
     forward = encode_images

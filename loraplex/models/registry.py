@@ -8,6 +8,7 @@ from loraplex.config import ModelConfig
 from loraplex.models.bart import BartForConditionalGeneration
 from loraplex.models.llama import LlamaForCausalLM
 from loraplex.models.llava_next import LlavaNextForConditionalGeneration
+from loraplex.models.mllama import MllamaForConditionalGeneration
 from loraplex.models.mpt import MptForCausalLM
 from loraplex.models.t5 import T5ForConditionalGeneration
 
@@ -16,6 +17,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "llava_next": LlavaNextForConditionalGeneration,
+    "mllama": MllamaForConditionalGeneration,
     "mpt": MptForCausalLM,
     "t5": T5ForConditionalGeneration,
     "mt5": T5ForConditionalGeneration,

@@ -30,13 +30,28 @@ async def encode_prompt(
     images = await load_images(urls, state.config.media)
     processor = state.core.processor
     started = time.perf_counter()
-    out = await asyncio.to_thread(
-        processor, text=prompt, images=images, return_tensors="pt", add_special_tokens=add_special_tokens
-    )
+    try:
+        out = await asyncio.to_thread(
+            processor, text=prompt, images=images, return_tensors="pt", add_special_tokens=add_special_tokens
+        )
+    except ValueError as exc:  # the processor's own checks (image tokens vs images, sizes)
+        raise BadRequest(f"the images cannot be processed with this prompt: {exc}", param) from exc
     state.metrics.on_images(len(images), time.perf_counter() - started)
     ids = out["input_ids"][0].tolist()
     token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     placed = sum(1 for t in ids if t == token_id)
     if placed == 0:
         raise BadRequest("the prompt has no place for its images (the chat template dropped them)", param)
-    return ids, ImageInputs.for_prompt(ids, out["pixel_values"], out["image_sizes"].tolist(), token_id)
+    return ids, _image_inputs(ids, out, images, token_id)
+
+
+def _image_inputs(ids: list[int], out, images, token_id: int) -> ImageInputs:
+    """One prompt's processor outputs as the engine takes them. LLaVA-NeXT: pixel_values [images, tiles, ...]
+    and image_sizes; Mllama: pixel_values [1, images, tiles, ...], aspect_ratio_ids and _mask."""
+    if "aspect_ratio_ids" not in out:
+        return ImageInputs.for_prompt(ids, out["pixel_values"], out["image_sizes"].tolist(), token_id)
+    sizes = [(image.height, image.width) for image in images]
+    return ImageInputs.for_prompt(
+        ids, out["pixel_values"][0], sizes, token_id,
+        aspect_ratio_ids=out["aspect_ratio_ids"][0], aspect_ratio_mask=out["aspect_ratio_mask"][0],
+    )

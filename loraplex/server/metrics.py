@@ -104,12 +104,12 @@ class _EngineGauges:
         yield _gauge("vllm:num_requests_waiting", "Requests waiting", waiting)
         yield _gauge("vllm:num_requests_running", "Requests running", running)
         yield _gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1", usage)
-        features = self.engine.runner.image_features
-        if features is not None:
+        counters = self.engine.runner.vision_counters
+        if counters is not None:
             yield CounterMetricFamily("loraplex_vision_encoded_images", "Images run through the vision tower",
-                                      value=features.encoded_images)
+                                      value=counters.encoded_images)
             yield CounterMetricFamily("loraplex_vision_encoder_seconds", "Seconds spent in the vision tower and projector",
-                                      value=features.encode_seconds)
+                                      value=counters.encode_seconds)
         info = GaugeMetricFamily(
             "vllm:lora_requests_info", "Adapters of running and waiting requests",
             labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],

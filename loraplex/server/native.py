@@ -82,7 +82,7 @@ async def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
             raise BadRequest(f"truncate={p.truncate} would cut an image's tokens out of the prompt", "truncate")
         prompt_ids = prompt_ids[-p.truncate :]
         if images is not None:
-            images = ImageInputs.for_prompt(prompt_ids, images.pixel_values, images.image_sizes, images.token_id)
+            images = images.for_ids(prompt_ids)
     max_new = p.max_new_tokens or limits.default_max_new_tokens
     check_prompt_and_budget(state, prompt_ids, max_new, "inputs", "max_new_tokens")
     prefix = body.inputs if p.return_full_text else ""

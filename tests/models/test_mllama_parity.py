@@ -1,0 +1,175 @@
+"""Llama 3.2 Vision (Mllama) parity with transformers: a tiny random MllamaForConditionalGeneration saved as
+transformers saves it and served by our engine, inputs from the real MllamaProcessor.
+
+Reference semantics: transformers with Meta's masking of the rows before a request's first image (those rows
+get no cross-layer output; see loraplex/engine/image_states.py). A prompt that starts with its image has no such
+row: it matches transformers as it is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.mllama.processing_mllama import get_cross_attention_token_mask
+
+from loraplex.config import ModelConfig
+from loraplex.engine.image_states import image_rows
+from loraplex.engine.images import ImageInputs
+from loraplex.engine.engine import RequestRefused
+from loraplex.params import SamplingParams
+from tests.helpers import engine_for, image_model_logits, load_saved
+from tests.mllama_fixtures import (
+    IMAGE_TOKEN, hf_greedy, hf_inputs, hf_logits, image, mllama_processor, save_tiny_mllama, tiny_mllama,
+    tiny_mllama_config,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 8
+# (text, image sizes): tile counts 1 (30x30: one real tile and a padding one) and 2 (1x2 and 2x1 aspect ratios).
+CASES = {
+    "one image first": ("<|image|>w1 w2 w3 w40", [(30, 60)]),
+    "image mid-prompt": ("w4 w5 w90 <|image|>w6 w7", [(33, 31)]),
+    "two images": ("w1 <|image|>w2 w3 <|image|> w9 w12", [(30, 30), (60, 30)]),
+    "adjacent images": ("w10 <|image|><|image|>w2 w3 <|image|> w9", [(30, 30), (60, 30), (30, 60)]),
+    "text only": ("w8 w9 w10 w100", []),
+}
+
+
+@pytest.fixture(scope="module")
+def mllama(tmp_path_factory):
+    hf, processor = tiny_mllama(seed=0), mllama_processor()
+    model, config = load_saved(save_tiny_mllama(hf, processor, tmp_path_factory.mktemp("mllama")))
+    return hf, processor, model, config
+
+
+def pictures(sizes, seed):
+    return [image(h, w, seed * 10 + i) for i, (h, w) in enumerate(sizes)]
+
+
+def request_inputs(processor, text, images) -> tuple[list[int], ImageInputs | None]:
+    """Token ids and the engine's image inputs, as the server's processor path makes them."""
+    out = hf_inputs(processor, text, images)
+    ids = out["input_ids"][0].tolist()
+    if not images:
+        return ids, None
+    return ids, ImageInputs.for_prompt(
+        ids, out["pixel_values"][0], [im.shape[:2] for im in images], IMAGE_TOKEN,
+        aspect_ratio_ids=out["aspect_ratio_ids"][0], aspect_ratio_mask=out["aspect_ratio_mask"][0],
+    )
+
+
+def test_config_and_names(mllama):
+    hf, _, model, config = mllama
+    assert config.model_type == "mllama" and config.mllama.cross_attention_layers == (1, 3)
+    assert config.mllama.image_token_id == IMAGE_TOKEN == config.vocab_size
+    assert set(model.state_dict()) == set(hf.state_dict())  # transformers 5's in-memory names, PEFT's too
+
+
+def test_config_refusals():
+    base = tiny_mllama_config().to_dict()
+    with pytest.raises(ValueError, match="cross_attention_layers"):
+        ModelConfig.from_hf({**base, "text_config": {**base["text_config"], "cross_attention_layers": [9]}})
+    with pytest.raises(ValueError, match="image_token_index"):
+        ModelConfig.from_hf({**base, "image_token_index": 5})
+
+
+@pytest.mark.parametrize("positions", [[0], [3], [1, 4], [1, 2, 5], [0, 1], [2, 3, 4], [1, 2, 6, 7, 9], [9]])
+def test_image_rows_are_transformers_mask(positions):
+    prompt_len = 10
+    ids = [IMAGE_TOKEN if i in positions else 7 for i in range(prompt_len)]
+    theirs = [(a, prompt_len if b == -1 else b) for a, b in get_cross_attention_token_mask(ids, IMAGE_TOKEN)]
+    assert image_rows(positions, prompt_len) == theirs
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_match(mllama, case):
+    hf, processor, model, config = mllama
+    text, sizes = CASES[case]
+    images = pictures(sizes, seed=1)
+    ids, inputs = request_inputs(processor, text, images)
+    ours = image_model_logits(engine_for(model, config), ids, inputs)
+    theirs = hf_logits(hf, processor, text, images, meta_masking=True)
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+
+
+def test_image_first_prompt_is_plain_transformers(mllama):
+    """Meta's masking concerns only rows before the first image: a prompt that starts with its image matches
+    transformers as it is."""
+    hf, processor, model, config = mllama
+    text, sizes = CASES["one image first"]
+    images = pictures(sizes, seed=2)
+    ids, inputs = request_inputs(processor, text, images)
+    assert ids[0] == IMAGE_TOKEN
+    ours = image_model_logits(engine_for(model, config), ids, inputs)
+    torch.testing.assert_close(ours, hf_logits(hf, processor, text, images), atol=2e-4, rtol=1e-4)
+
+
+def test_every_case_in_one_batch_is_greedy_transformers(mllama):
+    """All cases share steps (different tile counts and aspect ratios, several images, text-only); each
+    request's tokens are transformers' for it alone, and the image matters to them."""
+    hf, processor, model, config = mllama
+    engine = engine_for(model, config)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    requests, expected = [], []
+    for seed, (text, sizes) in enumerate(CASES.values()):
+        images = pictures(sizes, seed)
+        ids, inputs = request_inputs(processor, text, images)
+        requests.append(engine.add_request(ids, params, images=inputs))
+        expected.append(hf_greedy(hf, processor, text, images, NEW, meta_masking=True))
+    outputs = run_all(engine)
+    assert [outputs[r.request_id] for r in requests] == expected
+    other = hf_greedy(hf, processor, CASES["two images"][0], pictures(CASES["two images"][1], seed=7), NEW, meta_masking=True)
+    assert other != expected[2], "the fixture's images must change greedy tokens"
+
+
+def test_image_token_with_penalty_logprobs_and_top_tokens(mllama):
+    """`<|image|>` (past the head's vocabulary) in the prompt: a repetition penalty, prompt logprobs and top
+    tokens work, the image token has no prompt logprob, and the tokens are transformers' with the penalty."""
+    hf, processor, model, config = mllama
+    text, sizes = "w3 w3 <|image|>w3 w5 w3", [(30, 60)]
+    images = pictures(sizes, seed=3)
+    ids, inputs = request_inputs(processor, text, images)
+    engine = engine_for(model, config)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, repetition_penalty=1.8, prompt_logprobs=True, top_n_tokens=3)
+    request = engine.add_request(ids, params, images=inputs)
+    outputs = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.error is None
+            if out.finished:
+                outputs[out.request_id] = out
+    out = outputs[request.request_id]
+    assert out.token_ids == hf_greedy(hf, processor, text, images, NEW, meta_masking=True, repetition_penalty=1.8)
+    assert out.token_ids != hf_greedy(hf, processor, text, images, NEW, meta_masking=True)
+    logprobs = [t.logprob for t in out.prompt_tokens]
+    image_at = ids.index(IMAGE_TOKEN)
+    assert logprobs[0] is None and logprobs[image_at] is None
+    theirs = torch.log_softmax(hf_logits(hf, processor, text, images, meta_masking=True), dim=-1)
+    for i, value in enumerate(logprobs):
+        if i not in (0, image_at):
+            assert value == pytest.approx(theirs[i - 1, ids[i]].item(), abs=1e-3)
+
+
+def test_refusals(mllama):
+    _, processor, model, config = mllama
+    engine = engine_for(model, config, max_batch_total_tokens=256)
+    ids, inputs = request_inputs(processor, "w1 <|image|>w2", pictures([(30, 60)], 0))
+    with pytest.raises(RequestRefused, match="image tokens for 2 images"):
+        engine.add_request(ids, SamplingParams(max_new_tokens=2), images=ImageInputs.for_prompt(
+            ids, torch.cat([inputs.pixel_values] * 2), [(1, 1)] * 2, IMAGE_TOKEN,
+            aspect_ratio_ids=torch.cat([inputs.aspect_ratio_ids] * 2), aspect_ratio_mask=torch.cat([inputs.aspect_ratio_mask] * 2),
+        ))
+    many = "w1 " + "<|image|>" * 3
+    ids, inputs = request_inputs(processor, many, pictures([(60, 30)] * 3, 0))
+    with pytest.raises(RequestRefused, match="cross-attention states"):  # 3 x 2 tiles x 5 states + 246 tokens: past 256
+        engine.add_request(ids, SamplingParams(max_new_tokens=240), images=inputs)
+
+
+def run_all(engine) -> dict[str, list[int]]:
+    outputs = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+    return outputs
