@@ -202,6 +202,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="adapters workload: adapters (one request each) rotating through --rotation-slots slots")
     p.add_argument("--rotation-slots", type=int, default=8, help="max_active_adapters of the rotation run")
     p.add_argument("--new-tokens", type=int, default=16, help="vision workload: new tokens per request")
+    p.add_argument("--vision-model", choices=["llava", "mllama"], default="llava",
+                   help="vision workload: the example LLaVA-NeXT or the example Mllama")
     p.add_argument("--family", choices=["t5", "bart", "both"], default="both", help="seq2seq workload: model family")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return p.parse_args(argv)
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload == "vision":  # its own model (the example VLM) and peer
         from benchmarks.vision import bench_vision, format_vision
 
-        result = bench_vision(args.requests, args.new_tokens, args.repeats, args.seed)
+        result = bench_vision(args.requests, args.new_tokens, args.repeats, args.seed, args.vision_model)
         print(format_vision(result), flush=True)
         if args.json:
             with open(args.json, "w") as f:

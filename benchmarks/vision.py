@@ -1,12 +1,15 @@
-"""The vision workload: the example VLM (`loraplex/smollm2-shapes`) serving image and text-only requests
-mixed, against transformers' batched `generate` on the same inputs, timed in one run.
+"""The vision workload: an example VLM serving image and text-only requests mixed, against transformers'
+batched `generate` on the same inputs, timed in one run.
 
-    loraplex bench --workload vision [--requests 16] [--new-tokens 16] [--repeats 1]
+    loraplex bench --workload vision [--vision-model llava|mllama] [--requests 16] [--new-tokens 16] [--repeats 1]
 
-`--requests N` image requests (one generated picture each, any-resolution sizes) and N text-only requests,
-interleaved, all submitted at once to loraplex; transformers runs the same prompts as one left-padded batch
-(images in order). Greedy, EOS ignored, the same number of new tokens for every request. Reports output
-tokens/s of both, the ratio, and the seconds loraplex spent in the vision tower and projector.
+Models: `llava` is `loraplex/smollm2-shapes` (LLaVA-NeXT), `mllama` is `loraplex/smollm2-mllama-shapes`
+(Llama 3.2 Vision style). `--requests N` image requests (one generated picture each) and N text-only
+requests, interleaved, all submitted at once to loraplex. transformers runs the same prompts left-padded:
+LLaVA-NeXT as one batch; Mllama as two (the image requests, then the text-only ones: in one batch
+transformers would let the text-only rows attend to the other requests' images). Greedy, EOS ignored, the
+same number of new tokens for every request. Reports output tokens/s of both, the ratio, the seconds
+loraplex spent in the image encoder and, for Mllama, the memory one image's stored states take.
 """
 
 from __future__ import annotations
@@ -43,78 +46,123 @@ def vision_jobs(processor, n: int, seed: int) -> list[VisionJob]:
     return jobs
 
 
-def run_loraplex(engine, jobs: list[VisionJob], new_tokens: int) -> tuple[float, int, float]:
-    """(seconds, output tokens, seconds in the vision tower) for all jobs at once, processing included."""
+def run_loraplex(engine, jobs: list[VisionJob], new_tokens: int) -> tuple[float, int, float, list]:
+    """(seconds, output tokens, seconds in the image encoder, the image requests) for all jobs at once,
+    processing included."""
     processor, params = engine.processor, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    features = engine.runner.image_features
-    vision_before = features.encode_seconds
+    counters = engine.runner.vision_counters
+    vision_before = counters.encode_seconds
     started = perf_counter()
     token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    image_requests = []
     for job in jobs:
         if job.image is None:
-            ids, images = processor.tokenizer(job.prompt, add_special_tokens=False)["input_ids"], None
-        else:
-            out = processor(text=job.prompt, images=[job.image], return_tensors="pt", add_special_tokens=False)
-            ids = out["input_ids"][0].tolist()
-            images = ImageInputs.for_prompt(ids, out["pixel_values"], out["image_sizes"].tolist(), token_id)
-        engine.add_request(ids, params, images=images)
+            engine.add_request(processor.tokenizer(job.prompt, add_special_tokens=False)["input_ids"], params)
+            continue
+        out = processor(text=job.prompt, images=[job.image], return_tensors="pt", add_special_tokens=False)
+        images = ImageInputs.from_processor(out, [(job.image.height, job.image.width)], token_id)
+        image_requests.append(engine.add_request(out["input_ids"][0].tolist(), params, images=images))
     tokens = 0
     while engine.has_unfinished:
         tokens += sum(1 for o in engine.step() if o.token is not None)
-    return perf_counter() - started, tokens, features.encode_seconds - vision_before
+    return perf_counter() - started, tokens, counters.encode_seconds - vision_before, image_requests
 
 
 @torch.inference_mode()
-def run_transformers(model, processor, jobs: list[VisionJob], new_tokens: int) -> tuple[float, int]:
+def run_transformers(model, processor, jobs: list[VisionJob], new_tokens: int, split: bool) -> tuple[float, int]:
+    """(seconds, output tokens); `split`: image requests and text-only ones as two batches."""
+    batches = [[j for j in jobs if j.image is not None], [j for j in jobs if j.image is None]] if split else [jobs]
     tokenizer = processor.tokenizer
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    started = perf_counter()
+    started, tokens = perf_counter(), 0
     try:
-        images = [j.image for j in jobs if j.image is not None]
-        inputs = processor(text=[j.prompt for j in jobs], images=images or None, return_tensors="pt", padding=True,
-                           add_special_tokens=False).to(model.device)
-        out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id or 0)
+        for batch in (b for b in batches if b):
+            images = [j.image for j in batch if j.image is not None]
+            if split and images:
+                images = [[image] for image in images]  # Mllama: a list of images per prompt
+            inputs = processor(text=[j.prompt for j in batch], images=images or None, return_tensors="pt", padding=True,
+                               add_special_tokens=False).to(model.device)
+            out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id or 0)
+            tokens += (out.shape[1] - inputs["input_ids"].shape[1]) * len(batch)
     finally:
         tokenizer.padding_side = side
-    return perf_counter() - started, (out.shape[1] - inputs["input_ids"].shape[1]) * len(jobs)
+    return perf_counter() - started, tokens
 
 
-def bench_vision(requests: int, new_tokens: int, repeats: int, seed: int = 0) -> dict:
-    from transformers import LlavaNextForConditionalGeneration
+def _example(family: str):
+    """(model id, assembled directory, transformers class) of the example VLM of `family`."""
+    import transformers
 
-    from loraplex.config import EngineConfig
-    from loraplex.engine.engine import Engine
+    if family == "mllama":
+        from loraplex.mllama_example import EXAMPLE_MLLAMA_MODEL_ID, example_mllama_dir
+
+        return EXAMPLE_MLLAMA_MODEL_ID, example_mllama_dir(), transformers.MllamaForConditionalGeneration
     from loraplex.vision_example import EXAMPLE_VISION_MODEL_ID, example_model_dir
 
-    engine = Engine.from_config(EngineConfig(model_id=EXAMPLE_VISION_MODEL_ID))
-    hf = LlavaNextForConditionalGeneration.from_pretrained(example_model_dir(), dtype=engine.dtype).to(engine.device).eval()
+    return EXAMPLE_VISION_MODEL_ID, example_model_dir(), transformers.LlavaNextForConditionalGeneration
+
+
+def state_memory(engine, requests) -> dict:
+    """Mllama: per image, its states and the bytes they take: what the cross layers' keys/values need, and
+    what the KV blocks holding them reserve (a block spans every layer's cache)."""
+    config = engine.model_config
+    images = sum(r.images.num_images for r in requests)
+    states = sum(r.num_states for r in requests) / images
+    per_state_layer = 2 * config.num_kv_heads * config.head_dim * torch.finfo(engine.dtype).bits // 8
+    bs = engine.scheduler.config.block_size
+    blocks = sum(-(-r.num_states // bs) for r in requests) / images
+    return {
+        "states_per_image": states,
+        "state_bytes_per_image": states * per_state_layer * len(config.mllama.cross_attention_layers),
+        "reserved_bytes_per_image": blocks * bs * per_state_layer * config.num_layers,
+    }
+
+
+def bench_vision(requests: int, new_tokens: int, repeats: int, seed: int = 0, family: str = "llava") -> dict:
+    from loraplex.config import EngineConfig
+    from loraplex.engine.engine import Engine
+
+    model_id, directory, hf_class = _example(family)
+    engine = Engine.from_config(EngineConfig(model_id=model_id))
+    hf = hf_class.from_pretrained(directory, dtype=engine.dtype).to(engine.device).eval()
+    split = family == "mllama"
     jobs = vision_jobs(engine.processor, requests, seed)
     run_loraplex(engine, jobs[:4], 2)  # warm-up (excluded)
-    run_transformers(hf, engine.processor, jobs[:4], 2)
+    run_transformers(hf, engine.processor, jobs[:4], 2, split)
     best = {"loraplex": None, "transformers": None}
     for _ in range(repeats):
         ours = run_loraplex(engine, jobs, new_tokens)
-        theirs = run_transformers(hf, engine.processor, jobs, new_tokens)
+        theirs = run_transformers(hf, engine.processor, jobs, new_tokens, split)
         if best["loraplex"] is None or ours[0] < best["loraplex"][0]:
             best["loraplex"] = ours
         if best["transformers"] is None or theirs[0] < best["transformers"][0]:
             best["transformers"] = theirs
-    (ours_s, ours_tokens, vision_s), (hf_s, hf_tokens) = best["loraplex"], best["transformers"]
-    return {
-        "requests": len(jobs), "image_requests": requests, "new_tokens": new_tokens,
+    (ours_s, ours_tokens, vision_s, image_requests), (hf_s, hf_tokens) = best["loraplex"], best["transformers"]
+    result = {
+        "model": model_id, "requests": len(jobs), "image_requests": requests, "new_tokens": new_tokens,
         "loraplex_tokens_per_s": ours_tokens / ours_s, "transformers_tokens_per_s": hf_tokens / hf_s,
         "ratio": (ours_tokens / ours_s) / (hf_tokens / hf_s), "loraplex_seconds": ours_s,
         "vision_tower_seconds": vision_s, "transformers_seconds": hf_s, "load_average": os.getloadavg()[0],
     }
+    if family == "mllama":
+        result.update(state_memory(engine, image_requests))
+    return result
 
 
 def format_vision(result: dict) -> str:
-    return (
-        f"vision workload: {result['image_requests']} image + {result['requests'] - result['image_requests']} text-only "
-        f"requests, {result['new_tokens']} new tokens each (load average {result['load_average']:.2f})\n"
+    lines = [
+        f"vision workload ({result['model']}): {result['image_requests']} image + "
+        f"{result['requests'] - result['image_requests']} text-only requests, {result['new_tokens']} new tokens each "
+        f"(load average {result['load_average']:.2f})",
         f"  loraplex      {result['loraplex_tokens_per_s']:8.1f} tok/s  ({result['loraplex_seconds']:.2f} s, of which "
-        f"vision tower {result['vision_tower_seconds']:.2f} s)\n"
-        f"  transformers  {result['transformers_tokens_per_s']:8.1f} tok/s  ({result['transformers_seconds']:.2f} s, batched generate)\n"
-        f"  ratio         {result['ratio']:.2f}x"
-    )
+        f"image encoder {result['vision_tower_seconds']:.2f} s)",
+        f"  transformers  {result['transformers_tokens_per_s']:8.1f} tok/s  ({result['transformers_seconds']:.2f} s, batched generate)",
+        f"  ratio         {result['ratio']:.2f}x",
+    ]
+    if "states_per_image" in result:
+        lines.append(
+            f"  image states  {result['states_per_image']:.0f} per image: {result['state_bytes_per_image'] / 2**10:.0f} KiB "
+            f"of cross-layer keys/values, {result['reserved_bytes_per_image'] / 2**10:.0f} KiB of KV blocks reserved"
+        )
+    return "\n".join(lines)

@@ -219,6 +219,12 @@ def meta_row_masking(model):
             handle.remove()
 
 
+def _on(model, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`inputs` on the model's device, pixel values in its dtype."""
+    dtype = next(model.parameters()).dtype
+    return {k: v.to(model.device, dtype) if v.is_floating_point() else v.to(model.device) for k, v in inputs.items()}
+
+
 def _masking(model, meta_masking: bool):
     return meta_row_masking(model) if meta_masking else contextlib.nullcontext()
 
@@ -229,7 +235,7 @@ def hf_greedy(
 ) -> list[int]:
     """transformers' greedy tokens for one request, exactly `max_new_tokens` of them (EOS is no stop);
     `generate_kwargs` go to `generate` (a repetition penalty, ...)."""
-    inputs = hf_inputs(processor, text, images)
+    inputs = _on(model, hf_inputs(processor, text, images))
     prompt_len = inputs["input_ids"].shape[1]
     with _masking(model, meta_masking):
         out = model.generate(
@@ -245,7 +251,7 @@ def hf_greedy(
 def hf_logits(model, processor, text: str, images=(), meta_masking: bool = False) -> torch.Tensor:
     """transformers' logits at every prompt position [T, VOCAB], float32."""
     with _masking(model, meta_masking):
-        return model(**hf_inputs(processor, text, images), use_cache=False).logits[0].float()
+        return model(**_on(model, hf_inputs(processor, text, images)), use_cache=False).logits[0].float().cpu()
 
 
 # ------------------------------------------------------------------------------------------------------ PEFT

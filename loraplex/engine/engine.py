@@ -72,6 +72,10 @@ class Engine:
         self.model_id = loaded.model_id
         self.device, self.dtype = loaded.device, loaded.dtype
         num_blocks = self._kv_cache_blocks(loaded)
+        # A model whose cross-attention layers cache only its states (Mllama) keeps them in a pool of their
+        # own, as many slots as the token pool: the same memory as one pool whose blocks span every layer,
+        # but states no longer take token slots (nor tokens state slots).
+        num_state_blocks = num_blocks if getattr(loaded.model, "state_layers", ()) else 0
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=num_blocks,
@@ -81,6 +85,7 @@ class Engine:
                 watermark_blocks=max(1, num_blocks // 100),
                 num_adapter_slots=config.max_active_adapters,
                 adapter_cycle_time_s=config.adapter_cycle_time_s,
+                num_state_blocks=num_state_blocks,
             )
         )
         self.lora = LoraSlots(loaded.model, config.max_active_adapters, loaded.device, loaded.dtype)
@@ -91,7 +96,7 @@ class Engine:
         forced = ForcedTokens(encdec.forced_bos_token_id, encdec.forced_eos_token_ids) if encdec else None
         self.runner = ModelRunner(
             loaded.model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, config.block_size,
-            loaded.device, loaded.dtype, lora=self.lora, forced_tokens=forced,
+            loaded.device, loaded.dtype, lora=self.lora, forced_tokens=forced, num_state_blocks=num_state_blocks,
         )
         self._streams: dict[str, _Stream] = {}
         self._next_id = 0
@@ -147,7 +152,7 @@ class Engine:
         if self.is_encoder_decoder:  # the prompt is the encoder's input; the decoder starts from one token
             encoder_ids, prompt_ids = list(prompt_ids), [self.model_config.encoder_decoder.decoder_start_token_id]
             self._check_encoder_input(encoder_ids)
-            num_states = len(encoder_ids)
+            num_states = len(encoder_ids)  # one state per encoder token
         if images is not None and self.model_config.mllama is not None:
             images = self._with_state_layout(prompt_ids, images)
             num_states = images.layout.num_states
@@ -209,16 +214,18 @@ class Engine:
             raise RequestRefused(f"prompt has {len(encoder_ids)} tokens; the model's encoder takes at most {most}")
 
     def _check_states_fit(self, num_states: int, prompt_tokens: int, params: SamplingParams) -> None:
-        """A request's cross-attention states and its longest sequence must fit the KV cache together (the
-        states take blocks of it too)."""
+        """A request's cross-attention states and its longest sequence must fit the KV cache (the states take
+        blocks of it too, of the token pool or of their own)."""
         bs = self.scheduler.config.block_size
-        needed = blocks_for(num_states, bs) + blocks_for(prompt_tokens + params.max_new_tokens, bs)
-        if needed > self.scheduler.config.num_blocks:
+        state_blocks, token_blocks = blocks_for(num_states, bs), blocks_for(prompt_tokens + params.max_new_tokens, bs)
+        if not self.scheduler.fits_alone(token_blocks, state_blocks):
             source = "of its images" if self.model_config.mllama is not None else "of its prompt, the encoder's input"
+            config = self.scheduler.config
+            capacity = (f"{config.num_blocks * bs} token slots and {config.num_state_blocks * bs} state slots"
+                        if config.num_state_blocks else f"{self.kv_capacity_tokens} slots")
             raise RequestRefused(
-                f"the request's {num_states} cross-attention states ({source}), {prompt_tokens} sequence tokens and "
-                f"max_new_tokens ({params.max_new_tokens}) need {needed * bs} KV cache slots; "
-                f"the cache has {self.kv_capacity_tokens}"
+                f"the request's {num_states} cross-attention states ({source}) and its {prompt_tokens} tokens + "
+                f"max_new_tokens ({params.max_new_tokens}) do not fit the KV cache ({capacity})"
             )
 
     @property
@@ -289,7 +296,7 @@ class Engine:
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = started
         try:
-            results = self.runner.execute(plan.scheduled, plan.fresh_blocks)
+            results = self.runner.execute(plan.scheduled, plan.fresh_blocks, plan.fresh_state_blocks)
         except Exception as error:  # noqa: BLE001 — contained below: only the failing adapter's requests fail
             results = self._execute_isolated(plan.scheduled, error)
         return self._update(plan, results)

@@ -41,6 +41,19 @@ class ImageInputs:
         positions = [i for i, t in enumerate(prompt_ids) if t == token_id]
         return cls(pixel_values, [tuple(s) for s in image_sizes], token_id, positions, **extra)
 
+    @classmethod
+    def from_processor(cls, outputs, image_sizes: list[tuple[int, int]], token_id: int) -> "ImageInputs":
+        """One prompt's Hugging Face processor outputs (`return_tensors="pt"`, a batch of one). LLaVA-NeXT:
+        pixel_values [images, tiles, ...] and image_sizes; Mllama: pixel_values [1, images, tiles, ...],
+        aspect_ratio_ids and aspect_ratio_mask. `image_sizes`: (height, width) of each original image."""
+        ids = outputs["input_ids"][0].tolist()
+        if "aspect_ratio_ids" not in outputs:
+            return cls.for_prompt(ids, outputs["pixel_values"], outputs["image_sizes"].tolist(), token_id)
+        return cls.for_prompt(
+            ids, outputs["pixel_values"][0], image_sizes, token_id,
+            aspect_ratio_ids=outputs["aspect_ratio_ids"][0], aspect_ratio_mask=outputs["aspect_ratio_mask"][0],
+        )
+
     def for_ids(self, prompt_ids: list[int]) -> "ImageInputs":
         """The same images for another prompt (one cut from this one): placeholders found again."""
         return replace(self, positions=[i for i, t in enumerate(prompt_ids) if t == self.token_id], layout=None)

@@ -51,9 +51,14 @@ class Request:
     # admission (num_computed_tokens == 0).
     encoder_ids: list[int] | None = None
     cross_block_ids: list[int] = field(default_factory=list)
-    # States its cross-attention layers read (an encoder's output rows, a vision model's image states;
-    # 0: none), kept in `cross_block_ids` while it runs. Set by the engine, which knows the model.
+    # States its cross-attention layers read (an encoder's output rows, one per encoder token; a vision
+    # model's image states, set by the engine, which knows the model; 0: none), kept in `cross_block_ids`
+    # while it runs.
     num_states: int = 0
+
+    def __post_init__(self) -> None:
+        if self.encoder_ids is not None and not self.num_states:
+            self.num_states = len(self.encoder_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -106,16 +106,26 @@ class ModelRunner:
     def __init__(
         self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
         block_size: int, device: torch.device, dtype: torch.dtype, backend: AttentionBackend | None = None,
-        lora: LoraSlots | None = None, forced_tokens: ForcedTokens | None = None,
+        lora: LoraSlots | None = None, forced_tokens: ForcedTokens | None = None, num_state_blocks: int = 0,
     ) -> None:
         self.model = model
         self.lora = lora  # the engine's device slots (None: no adapters)
         self.device, self.dtype = device, dtype
         self.block_size = block_size
         self.backend = backend or TorchAttentionBackend()
-        self.kv_caches = self.backend.allocate_kv_cache(
-            num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device
-        )
+        # Layers that cache only cross-attention states (Mllama's cross layers) get `num_state_blocks` blocks
+        # of their own pool; the others `num_blocks` of the token pool (0: one pool for every layer).
+        state_layers = set(getattr(model, "state_layers", ())) if num_state_blocks else set()
+        self.token_layers = [i for i in range(num_layers) if i not in state_layers]
+        self.state_layers = sorted(state_layers)
+        caches = dict(zip(self.token_layers, self.backend.allocate_kv_cache(
+            len(self.token_layers), num_blocks, block_size, num_kv_heads, head_dim, dtype, device
+        )))
+        if self.state_layers:
+            caches.update(zip(self.state_layers, self.backend.allocate_kv_cache(
+                len(self.state_layers), num_state_blocks, block_size, num_kv_heads, head_dim, dtype, device
+            )))
+        self.kv_caches = [caches[i] for i in range(num_layers)]
         self.sampler = Sampler()
         # Per-request image features while prompts are prefilled (models that put images in the token stream).
         self.image_features = ImageFeatures() if hasattr(model, "encode_images") else None
@@ -135,13 +145,20 @@ class ModelRunner:
         return self.vision_counters is not None
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest], fresh_blocks: Sequence[int] = ()) -> list[StepResult]:
+    def execute(
+        self, scheduled: list[ScheduledRequest], fresh_blocks: Sequence[int] = (), fresh_state_blocks: Sequence[int] = ()
+    ) -> list[StepResult]:
         """Run one step; one result per scheduled request, in the order given.
 
-        `fresh_blocks` are KV blocks given to a new owner since the last step: they are zeroed first,
-        so nothing a finished request left there (NaN included) can reach the new owner's attention.
+        `fresh_blocks` (`fresh_state_blocks`: of the states' own pool) are KV blocks given to a new owner since
+        the last step: they are zeroed first, so nothing a finished request left there (NaN included) can
+        reach the new owner's attention.
         """
-        self.backend.clear_blocks(self.kv_caches, fresh_blocks)
+        if self.state_layers:
+            self.backend.clear_blocks([self.kv_caches[i] for i in self.token_layers], fresh_blocks)
+            self.backend.clear_blocks([self.kv_caches[i] for i in self.state_layers], fresh_state_blocks)
+        else:
+            self.backend.clear_blocks(self.kv_caches, fresh_blocks)
         # Sequences of one adapter side by side: each adapter's rows form one segment (see LoraRows).
         order = sorted(range(len(scheduled)), key=lambda i: _slot_order(scheduled[i]))
         results = self._execute([scheduled[i] for i in order])

@@ -11,7 +11,8 @@ Policy:
 - A request with cross-attention states (an encoder-decoder's encoder output, a vision model's image
   states) also holds KV blocks for them, taken at admission and freed with the rest; an encoder's tokens
   count against the prefill budget of the step that admits it (the encoder runs then, whole: it cannot
-  be chunked).
+  be chunked). States come from a pool of their own when the model's cross-attention layers cache nothing
+  else (Mllama: `num_state_blocks`), else from the token pool (T5, BART: a decoder layer caches both).
 - A request for an adapter is admitted only when its adapter holds, or can take, a device slot (see
   `AdapterSlots`: pinned while used, LRU reuse, fair rotation). A request that cannot have a slot yet
   is passed over; requests behind it still start. So at most `num_adapter_slots` distinct adapters
@@ -38,6 +39,7 @@ class SchedulerConfig:
     watermark_blocks: int = 0  # kept free at admission so running requests can grow a little
     num_adapter_slots: int = 1
     adapter_cycle_time_s: float = 2.0
+    num_state_blocks: int = 0  # > 0: cross-attention states get a block pool of their own
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,10 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # (slot, adapter id): adapters that take a slot this step; the engine installs them before running.
     installs: list[tuple[int, str]] = field(default_factory=list)
-    # KV blocks newly allocated this step, to be zeroed before the step runs.
+    # KV blocks newly allocated this step, to be zeroed before the step runs (states' blocks apart when
+    # they have a pool of their own).
     fresh_blocks: list[int] = field(default_factory=list)
+    fresh_state_blocks: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -66,6 +70,9 @@ class Scheduler:
         self.config = config
         self.slots = AdapterSlots(config.num_adapter_slots, config.adapter_cycle_time_s, clock or time.monotonic)
         self.allocator = BlockAllocator(config.num_blocks, config.block_size)
+        self.state_allocator = (
+            BlockAllocator(config.num_state_blocks, config.block_size) if config.num_state_blocks else self.allocator
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self._by_id: dict[str, Request] = {}
@@ -75,8 +82,8 @@ class Scheduler:
     def add(self, request: Request) -> None:
         assert request.request_id not in self._by_id, f"duplicate request id {request.request_id}"
         # The engine refuses longer requests, so a request running alone always fits.
-        longest = len(request.prompt_ids) + request.params.max_new_tokens
-        assert blocks_for(longest, self.config.block_size) + self._cross_blocks(request) <= self.config.num_blocks, (
+        longest = blocks_for(len(request.prompt_ids) + request.params.max_new_tokens, self.config.block_size)
+        assert self.fits_alone(longest, self._cross_blocks(request)), (
             "request can never fit the KV cache; the engine must refuse it"
         )
         request.status = RequestStatus.WAITING
@@ -125,6 +132,7 @@ class Scheduler:
                     index += 1
                     continue
             needed = self._blocks_needed(request, n)
+            assert request.cross_block_ids or not request.num_states, "a running request holds its states"
             while not self.allocator.can_allocate(needed) and self.running[-1] is not request:
                 out.preempted.append(self._preempt(self.running[-1]))
             if not self.allocator.can_allocate(needed):
@@ -139,6 +147,8 @@ class Scheduler:
         if not out.preempted:
             self._admit(out, budget)
         out.fresh_blocks = self.allocator.take_fresh()
+        if self.state_allocator is not self.allocator:
+            out.fresh_state_blocks = self.state_allocator.take_fresh()
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
@@ -149,7 +159,7 @@ class Scheduler:
             request = self.waiting[0]
             n = min(request.num_uncomputed_tokens, budget)
             needed = self._blocks_needed(request, n)
-            if not self.allocator.can_allocate(needed + self.config.watermark_blocks):
+            if not self._can_take(needed + self.config.watermark_blocks, self._missing_state_blocks(request)):
                 break
             self.waiting.popleft()
             if request.adapter_id is not None and not self._take_slot(request, out):
@@ -179,20 +189,32 @@ class Scheduler:
     # ---- helpers -------------------------------------------------------------------------------
 
     def _blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        """KV blocks to add so the request can compute `num_new_tokens` more (its cross-attention
-        states' blocks included, when it has none yet)."""
+        """Token KV blocks to add so the request can compute `num_new_tokens` more."""
         total = request.num_computed_tokens + num_new_tokens
-        own = max(0, blocks_for(total, self.config.block_size) - len(request.block_ids))
-        return own + (0 if request.cross_block_ids else self._cross_blocks(request))
+        return max(0, blocks_for(total, self.config.block_size) - len(request.block_ids))
 
     def _cross_blocks(self, request: Request) -> int:
         return blocks_for(request.num_states, self.config.block_size)
 
+    def _missing_state_blocks(self, request: Request) -> int:
+        """Blocks its states still need (all of them at admission, none while running)."""
+        return 0 if request.cross_block_ids else self._cross_blocks(request)
+
+    def _can_take(self, token_blocks: int, state_blocks: int) -> bool:
+        if self.state_allocator is self.allocator:
+            return self.allocator.can_allocate(token_blocks + state_blocks)
+        return self.allocator.can_allocate(token_blocks) and self.state_allocator.can_allocate(state_blocks)
+
+    def fits_alone(self, token_blocks: int, state_blocks: int) -> bool:
+        """Whether a request needing these blocks fits the pools when nothing else holds any."""
+        if self.state_allocator is self.allocator:
+            return token_blocks + state_blocks <= self.config.num_blocks
+        return token_blocks <= self.config.num_blocks and state_blocks <= self.config.num_state_blocks
+
     def _allocate(self, request: Request, needed: int) -> None:
+        """`needed` more token blocks, and the request's state blocks when it has none yet."""
         if request.num_states and not request.cross_block_ids:
-            cross = self._cross_blocks(request)
-            request.cross_block_ids = self.allocator.allocate(cross)
-            needed -= cross
+            request.cross_block_ids = self.state_allocator.allocate(self._cross_blocks(request))
         request.block_ids.extend(self.allocator.allocate(needed))
 
     def _preempt(self, request: Request) -> Request:
@@ -212,5 +234,6 @@ class Scheduler:
             request.adapter_slot = None
 
     def _release_blocks(self, request: Request) -> None:
-        self.allocator.free(request.block_ids + request.cross_block_ids)
+        self.allocator.free(request.block_ids)
+        self.state_allocator.free(request.cross_block_ids)
         request.block_ids, request.cross_block_ids = [], []

@@ -199,6 +199,8 @@ class TorchAttentionBackend:
                 attn_mask=mask, scale=layer.scale, enable_gqa=gqa,
             )
             out[start:end] = attended[0].transpose(0, 1)
+        if enc.rows_seeing is not None:  # rows that see no state: zero (SDPA's output for a fully masked row varies)
+            out.masked_fill_(~enc.rows_seeing[:, None, None], 0.0)
         return out
 
     @staticmethod

@@ -131,6 +131,11 @@ class MllamaForConditionalGeneration(nn.Module):
         return name
 
     @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The layers whose KV cache holds only image states (the runner gives them a block pool of their own)."""
+        return self.config.mllama.cross_attention_layers
+
+    @property
     def states_per_tile(self) -> int:
         """Image states each tile gives the cross-attention layers (patches + CLS)."""
         return self.config.mllama.vision.num_patches

@@ -42,16 +42,4 @@ async def encode_prompt(
     placed = sum(1 for t in ids if t == token_id)
     if placed == 0:
         raise BadRequest("the prompt has no place for its images (the chat template dropped them)", param)
-    return ids, _image_inputs(ids, out, images, token_id)
-
-
-def _image_inputs(ids: list[int], out, images, token_id: int) -> ImageInputs:
-    """One prompt's processor outputs as the engine takes them. LLaVA-NeXT: pixel_values [images, tiles, ...]
-    and image_sizes; Mllama: pixel_values [1, images, tiles, ...], aspect_ratio_ids and _mask."""
-    if "aspect_ratio_ids" not in out:
-        return ImageInputs.for_prompt(ids, out["pixel_values"], out["image_sizes"].tolist(), token_id)
-    sizes = [(image.height, image.width) for image in images]
-    return ImageInputs.for_prompt(
-        ids, out["pixel_values"][0], sizes, token_id,
-        aspect_ratio_ids=out["aspect_ratio_ids"][0], aspect_ratio_mask=out["aspect_ratio_mask"][0],
-    )
+    return ids, ImageInputs.from_processor(out, [(image.height, image.width) for image in images], token_id)

@@ -104,6 +104,8 @@ class _EngineGauges:
         yield _gauge("vllm:num_requests_waiting", "Requests waiting", waiting)
         yield _gauge("vllm:num_requests_running", "Requests running", running)
         yield _gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1", usage)
+        if scheduler.state_allocator is not scheduler.allocator:  # Mllama: image states in a pool of their own
+            yield _gauge("loraplex_state_cache_usage_perc", "Image state cache usage, 0..1", scheduler.state_allocator.usage)
         counters = self.engine.runner.vision_counters
         if counters is not None:
             yield CounterMetricFamily("loraplex_vision_encoded_images", "Images run through the vision tower",

@@ -82,7 +82,8 @@ def run(engine, jobs, adapters=None, params=PARAMS):
             assert out.error is None, out.error
             if out.finished:
                 finals[out.request_id] = out.token_ids
-    assert engine.scheduler.allocator.num_used == 0  # every state block returned
+    scheduler = engine.scheduler
+    assert scheduler.allocator.num_used == 0 and scheduler.state_allocator.num_used == 0  # every block returned
     return [finals[r.request_id] for r in requests]
 
 
@@ -166,7 +167,7 @@ def test_batch_churn_with_chunked_prefill_and_preemption(mllama, adapters):
     assert [finals[r.request_id] for r in requests] == alone
     assert any(r.images is not None for r in preempted), "no image request was preempted: the test proves nothing"
     assert any(r.images is not None for r in chunked), "no image prompt was chunked: the test proves nothing"
-    assert engine.scheduler.allocator.num_used == 0
+    assert engine.scheduler.allocator.num_used == 0 and engine.scheduler.state_allocator.num_used == 0
     assert len({tuple(t) for t in alone}) > 12, "outputs barely differ: the test proves little"
 
 
@@ -178,4 +179,22 @@ def test_states_are_made_once_per_admission(mllama, cases):
     jobs = [(ids, i) for _, _, ids, i in cases]
     run(engine, jobs)
     assert counters.encoded_images == sum(i.num_images for _, i in jobs if i is not None)
-    assert torch.is_tensor(engine.runner.kv_caches[1][0])
+
+
+def test_image_states_have_a_pool_of_their_own(mllama, cases):
+    """The cross layers' caches hold only image states: a pool of their own, as many slots as the token pool's,
+    with the token pool's memory per slot split between them (no layer's cache spans both)."""
+    _, _, model, config = mllama
+    engine = engine_for(model, config, max_batch_total_tokens=256)
+    runner, scheduler = engine.runner, engine.scheduler
+    assert runner.state_layers == [1, 3] and runner.token_layers == [0, 2, 4]
+    assert scheduler.state_allocator is not scheduler.allocator
+    assert scheduler.config.num_state_blocks == scheduler.config.num_blocks == 16
+    assert all(runner.kv_caches[i][0].shape[0] == 16 for i in range(5))
+    _, _, ids, images = cases[3]  # two images: 1 + 2 real tiles, 5 states each
+    request = engine.add_request(ids, PARAMS, images=images)
+    engine.step()
+    assert request.num_states == 15 and len(request.cross_block_ids) == 1 and len(request.block_ids) == 1
+    assert scheduler.state_allocator.num_used == 1 and scheduler.allocator.num_used == 1
+    engine.abort_request(request.request_id)
+    assert scheduler.state_allocator.num_used == 0 and scheduler.allocator.num_used == 0

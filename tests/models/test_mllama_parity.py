@@ -52,10 +52,7 @@ def request_inputs(processor, text, images) -> tuple[list[int], ImageInputs | No
     ids = out["input_ids"][0].tolist()
     if not images:
         return ids, None
-    return ids, ImageInputs.for_prompt(
-        ids, out["pixel_values"][0], [im.shape[:2] for im in images], IMAGE_TOKEN,
-        aspect_ratio_ids=out["aspect_ratio_ids"][0], aspect_ratio_mask=out["aspect_ratio_mask"][0],
-    )
+    return ids, ImageInputs.from_processor(out, [im.shape[:2] for im in images], IMAGE_TOKEN)
 
 
 def test_config_and_names(mllama):
@@ -152,7 +149,7 @@ def test_image_token_with_penalty_logprobs_and_top_tokens(mllama):
 
 def test_refusals(mllama):
     _, processor, model, config = mllama
-    engine = engine_for(model, config, max_batch_total_tokens=256)
+    engine = engine_for(model, config, max_batch_total_tokens=16)  # one block for tokens, one for states
     ids, inputs = request_inputs(processor, "w1 <|image|>w2", pictures([(30, 60)], 0))
     with pytest.raises(RequestRefused, match="image tokens for 2 images"):
         engine.add_request(ids, SamplingParams(max_new_tokens=2), images=ImageInputs.for_prompt(
@@ -161,8 +158,8 @@ def test_refusals(mllama):
         ))
     many = "w1 " + "<|image|>" * 3
     ids, inputs = request_inputs(processor, many, pictures([(60, 30)] * 3, 0))
-    with pytest.raises(RequestRefused, match="cross-attention states"):  # 3 x 2 tiles x 5 states + 246 tokens: past 256
-        engine.add_request(ids, SamplingParams(max_new_tokens=240), images=inputs)
+    with pytest.raises(RequestRefused, match=r"30 cross-attention states .*\(16 token slots and 16 state slots\)"):
+        engine.add_request(ids, SamplingParams(max_new_tokens=2), images=inputs)  # 3 images x 2 tiles x 5 states
 
 
 def run_all(engine) -> dict[str, list[int]]:
@@ -173,3 +170,26 @@ def run_all(engine) -> dict[str, list[int]]:
             if out.finished:
                 outputs[out.request_id] = out.token_ids
     return outputs
+
+
+def test_rows_seeing_no_image_do_not_depend_on_sdpa_for_fully_masked_rows(mllama, monkeypatch):
+    """SDPA's output for a row whose mask hides every key differs by kernel (zeros on this CPU, NaN or an
+    unmasked average on CUDA ones): such rows must be zeroed by us, not left to the kernel."""
+    from loraplex.layers import attention
+
+    real = attention.F.scaled_dot_product_attention
+
+    def garbage_when_fully_masked(q, k, v, attn_mask=None, **kwargs):
+        out = real(q, k, v, attn_mask=attn_mask, **kwargs)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            hidden = ~attn_mask.any(dim=-1, keepdim=True)  # [..., rows, 1]
+            out = out.masked_fill(hidden, 7.0)
+        return out
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", garbage_when_fully_masked)
+    hf, processor, model, config = mllama
+    text, sizes = CASES["image mid-prompt"]
+    images = pictures(sizes, seed=4)
+    ids, inputs = request_inputs(processor, text, images)
+    ours = image_model_logits(engine_for(model, config), ids, inputs)
+    torch.testing.assert_close(ours, hf_logits(hf, processor, text, images, meta_masking=True), atol=2e-4, rtol=1e-4)
