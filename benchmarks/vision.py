@@ -105,17 +105,18 @@ def _example(family: str):
 
 def state_memory(engine, requests) -> dict:
     """Mllama: per image, its states and the bytes they take: what the cross layers' keys/values need, and
-    what the KV blocks holding them reserve (a block spans every layer's cache)."""
+    what the state pool's blocks holding them reserve (whole blocks, in the cross layers' caches only)."""
     config = engine.model_config
     images = sum(r.images.num_images for r in requests)
     states = sum(r.num_states for r in requests) / images
-    per_state_layer = 2 * config.num_kv_heads * config.head_dim * torch.finfo(engine.dtype).bits // 8
+    per_state = 2 * config.num_kv_heads * config.head_dim * len(config.mllama.cross_attention_layers)
+    per_state *= torch.finfo(engine.dtype).bits // 8
     bs = engine.scheduler.config.block_size
     blocks = sum(-(-r.num_states // bs) for r in requests) / images
     return {
         "states_per_image": states,
-        "state_bytes_per_image": states * per_state_layer * len(config.mllama.cross_attention_layers),
-        "reserved_bytes_per_image": blocks * bs * per_state_layer * config.num_layers,
+        "state_bytes_per_image": states * per_state,
+        "reserved_bytes_per_image": blocks * bs * per_state,
     }
 
 
@@ -163,6 +164,6 @@ def format_vision(result: dict) -> str:
     if "states_per_image" in result:
         lines.append(
             f"  image states  {result['states_per_image']:.0f} per image: {result['state_bytes_per_image'] / 2**10:.0f} KiB "
-            f"of cross-layer keys/values, {result['reserved_bytes_per_image'] / 2**10:.0f} KiB of KV blocks reserved"
+            f"of cross-layer keys/values, {result['reserved_bytes_per_image'] / 2**10:.0f} KiB of state blocks reserved"
         )
     return "\n".join(lines)

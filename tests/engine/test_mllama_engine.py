@@ -26,7 +26,9 @@ PROMPTS = [  # (text, image sizes)
     ("w8 w9 w10 w100 w3", []),
     ("w1 <|image|>w2 w3 <|image|> w9 w12", [(30, 30), (60, 30)]),
 ]
-LORA_CASES = ("text", "cross", "vision", "lm_head", "all")
+# The fixture's named target sets, and the projector (one Linear, fed whole images).
+TARGETS = {**ADAPTER_TARGETS, "projector": r"model\.multi_modal_projector"}
+LORA_CASES = ("text", "cross", "vision", "projector", "lm_head", "all")
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,8 @@ def adapters(mllama, cases, tmp_path_factory):
     shapes = engine_for(model, config, max_active_adapters=1).lora.base_shapes
     out = {}
     for seed, name in enumerate(LORA_CASES):
-        peft = mllama_peft_adapter(hf, ADAPTER_TARGETS[name], seed=seed + 1)
+        # The fixture's projector weights are scaled up (so images matter): its delta must be as large.
+        peft = mllama_peft_adapter(hf, TARGETS[name], seed=seed + 1, strength=8.0 if name == "projector" else 0.5)
         adapter = save_and_load(peft, tmp_path_factory.mktemp(name), name, shapes,
                                 base_weight=lambda m: model.get_submodule(m).weight)
         out[name] = (adapter, [hf_greedy(peft, processor, text, images, NEW, meta_masking=True)
@@ -108,7 +111,7 @@ def test_lora_matches_peft(mllama, cases, adapters, base_tokens, case):
     assert got == want
     with_images = [k for k, (_, images, _, _) in enumerate(cases) if images]
     assert any(got[k] != base_tokens[k] for k in with_images), f"{case} changes no image request: proves nothing"
-    if case in ("cross", "vision"):  # image paths only: the text-only request is the base model's
+    if case in ("cross", "vision", "projector"):  # image paths only: the text-only request is the base model's
         assert all(got[k] == base_tokens[k] for k in range(len(cases)) if k not in with_images)
 
 
