@@ -27,36 +27,34 @@ demos can make pictures the model knows how to read.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import pathlib
 import random
-import shutil
-import sys
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
+
+from loraplex.example_assembly import (  # noqa: F401  (PARTS_FILE & co: this model's names, re-exported)
+    ADDED_EMBEDDINGS,
+    COPIED_FILES,
+    PARTS_FILE,
+    REPO_ROOT,
+    TOKENIZER_ADDITIONS,
+    ExampleParts,
+    _stderr,
+    check_base_config,
+    copy_parts_files,
+)
 
 if TYPE_CHECKING:  # PIL is imported where pictures are made, not when this module is imported
     from PIL import Image
 
 EXAMPLE_VISION_MODEL_ID = "loraplex/smollm2-shapes"
-PARTS_DIR = pathlib.Path(__file__).resolve().parents[1] / "examples" / "vision" / "smollm2-shapes"
-PARTS_FILE = "vision_parts.safetensors"  # trained tensors, under their names in the full checkpoint
-ADDED_EMBEDDINGS = "added_embed_tokens"  # in PARTS_FILE: rows appended to the token embeddings
-TOKENIZER_ADDITIONS = "tokenizer_additions.json"  # added_tokens entries appended to SmolLM2's tokenizer.json
-# Copied as they are into the assembled directory.
-COPIED_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer_config.json",
-    "processor_config.json",
-    "chat_template.jinja",
-)
+PARTS_DIR = REPO_ROOT / "examples" / "vision" / "smollm2-shapes"
 # Bump whenever the assembled output changes for the same parts: it is part of the cache key.
 ASSEMBLY_VERSION = "1"
+_PARTS = ExampleParts(EXAMPLE_VISION_MODEL_ID, PARTS_DIR, ASSEMBLY_VERSION, "examples/vision/train_vision.py")
 
 # --------------------------------------------------------------------------------------------------
 # The pictures: one shape of one named colour on a background of other colours
@@ -212,10 +210,11 @@ def user_message(question: str, image_first: bool = True) -> list[dict]:
 def generate_answers(
     model, processor, images: list, questions: list[str], max_new_tokens: int = 12, batch_size: int = 16,
 ) -> list[str]:
-    """Greedy answers of a transformers LLaVA-NeXT `model` to one question per picture (the reference path).
+    """Greedy answers of a transformers image-text `model` to one question per picture (the reference path).
 
-    Prompts go through the processor's chat template (default system prompt, generation prompt added);
-    batches are left-padded.
+    For LLaVA-NeXT `images` are pictures; for Mllama (`loraplex.mllama_example`), whose processor takes
+    a list of pictures per prompt, one-picture lists. Prompts go through the processor's chat template
+    (default system prompt, generation prompt added); batches are left-padded.
     """
     import torch
 
@@ -242,28 +241,12 @@ def generate_answers(
 # Assembling the full checkpoint
 
 
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def _parts_files(parts_dir: pathlib.Path) -> list[pathlib.Path]:
-    needed = [*COPIED_FILES, PARTS_FILE, TOKENIZER_ADDITIONS]
-    missing = [name for name in needed if not (parts_dir / name).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"{parts_dir}: the example vision model's parts are missing ({', '.join(missing)}); they are "
-            "committed in the loraplex repository under examples/vision/smollm2-shapes (a wheel does not "
-            "ship them), and examples/vision/train_vision.py remakes them"
-        )
-    return [parts_dir / name for name in needed]
+    return _PARTS.files(parts_dir)
 
 
 def _cache_key(parts_dir: pathlib.Path, base_dir: pathlib.Path) -> str:
-    digest = hashlib.sha256(f"assembly {ASSEMBLY_VERSION}\nbase {base_dir.resolve()}\n".encode())
-    for path in _parts_files(parts_dir):
-        digest.update(f"{path.name}\n".encode())
-        digest.update(hashlib.sha256(path.read_bytes()).digest())
-    return digest.hexdigest()[:16]
+    return _PARTS.cache_key(parts_dir, base_dir)
 
 
 def example_model_dir(
@@ -275,21 +258,7 @@ def example_model_dir(
     `AutoProcessor.from_pretrained(path)`. The first call (per change of the parts) takes a few seconds
     plus, on a fresh machine, the embedded model's GGUF conversion; later calls only hash the parts.
     """
-    from loraplex.gguf_convert import build_cached_dir, cache_dir
-    from loraplex.weights import resolve_model
-
-    parts = pathlib.Path(parts_dir).expanduser().resolve() if parts_dir is not None else PARTS_DIR
-    _parts_files(parts)  # a clear error before the base model is converted
-    base = resolve_model(None, progress=progress).path
-    final = cache_dir() / "vision" / f"smollm2-shapes-{_cache_key(parts, base)}"
-
-    def build(tmp: pathlib.Path) -> None:
-        started = time.perf_counter()
-        progress(f"assembling {EXAMPLE_VISION_MODEL_ID} from {parts} and {base} (once; cached in {final.parent})")
-        assemble_example_model(tmp, parts_dir=parts, base_dir=base)
-        progress(f"assembled {EXAMPLE_VISION_MODEL_ID} in {time.perf_counter() - started:.1f}s")
-
-    return build_cached_dir(final, build)
+    return _PARTS.cached_dir(assemble_example_model, progress=progress, parts_dir=parts_dir)
 
 
 def assemble_example_model(
@@ -312,13 +281,8 @@ def assemble_example_model(
     base = pathlib.Path(base_dir) if base_dir is not None else resolve_model(None).path
     config = json.loads((parts / "config.json").read_text())
     text_config = config["text_config"]
-    base_config = json.loads((base / "config.json").read_text())
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
-        if base_config.get(key) != text_config.get(key):
-            raise ValueError(
-                f"the embedded model's {key} is {base_config.get(key)}, the vision example expects "
-                f"{text_config.get(key)}: the parts in {parts} were made for another base model"
-            )
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    check_base_config(base, {key: text_config.get(key) for key in keys}, parts, "the vision example")
 
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in load_state_dict(base, dtype=torch.float32).items():
@@ -339,14 +303,5 @@ def assemble_example_model(
     if vocab != text_config["vocab_size"]:
         raise ValueError(f"{parts}: embeddings have {vocab} rows, config.json says vocab_size {text_config['vocab_size']}")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-
-    for name in COPIED_FILES:
-        shutil.copyfile(parts / name, out / name)
-    tokenizer = json.loads((base / "tokenizer.json").read_text(encoding="utf-8"))
-    taken = {entry["id"] for entry in tokenizer["added_tokens"]}
-    for entry in json.loads((parts / TOKENIZER_ADDITIONS).read_text()):
-        if entry["id"] in taken:
-            raise ValueError(f"token id {entry['id']} ({entry['content']}) is already taken in {base}/tokenizer.json")
-        tokenizer["added_tokens"].append(entry)
-    (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False, indent=2), encoding="utf-8")
+    copy_parts_files(parts, base, out)
     return out

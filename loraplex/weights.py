@@ -63,10 +63,13 @@ def resolve_model(model_id: str | os.PathLike | None, progress: Callable[[str], 
     if model_id is None or str(model_id) == "default":
         return _source(DEFAULT_MODEL_ID, convert_gguf(default_gguf_path(), progress=progress))
     raw = str(model_id)
+    from loraplex.mllama_example import EXAMPLE_MLLAMA_MODEL_ID, example_mllama_dir  # imports this module
     from loraplex.vision_example import EXAMPLE_VISION_MODEL_ID, example_model_dir  # imports this module
 
     if raw == EXAMPLE_VISION_MODEL_ID:  # the shipped example VLM, assembled on first use
         return _source(raw, example_model_dir(progress=progress))
+    if raw == EXAMPLE_MLLAMA_MODEL_ID:  # the shipped example Mllama, assembled on first use
+        return _source(raw, example_mllama_dir(progress=progress))
     path = pathlib.Path(raw).expanduser()
     if path.is_file():
         if path.suffix.lower() == ".gguf":

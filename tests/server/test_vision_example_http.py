@@ -1,6 +1,7 @@
-"""The example vision model (`loraplex serve --model-id loraplex/smollm2-shapes`) over HTTP: it names the
-colour of held-back pictures (a seed the training never used) through the OpenAI client with a data URL
-and through the native API with ![](...), and the picture is what decides the answer."""
+"""The example vision models (`loraplex serve --model-id loraplex/smollm2-shapes`, LLaVA-NeXT, and
+`loraplex/smollm2-mllama-shapes`, Mllama) over HTTP: each names the colour of held-back pictures (a seed the
+training never used) through the OpenAI client with a data URL and through the native API with ![](...), and
+the picture is what decides the answer."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import random
 import httpx
 import pytest
 
+from loraplex.mllama_example import EXAMPLE_MLLAMA_MODEL_ID
 from loraplex.vision_example import EXAMPLE_VISION_MODEL_ID, QUESTIONS, colour_in_answer, make_shape_image
 from tests.helpers import live_server
 
@@ -25,10 +27,10 @@ def data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
-@pytest.fixture(scope="module")
-def server():
-    with live_server("--model-id", EXAMPLE_VISION_MODEL_ID, "--max-batch-total-tokens", "16384") as url:
-        yield url
+@pytest.fixture(scope="module", params=[EXAMPLE_VISION_MODEL_ID, EXAMPLE_MLLAMA_MODEL_ID])
+def server(request):
+    with live_server("--model-id", request.param, "--max-batch-total-tokens", "16384") as url:
+        yield url, request.param
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,7 @@ def pictures():
 def test_names_the_colour_of_held_back_pictures_on_both_apis(server, pictures):
     from openai import AsyncOpenAI
 
+    server, _ = server
     client = AsyncOpenAI(base_url=f"{server}/v1", api_key="-", timeout=300)
 
     async def ask_openai(picture, i):
@@ -71,5 +74,6 @@ def test_names_the_colour_of_held_back_pictures_on_both_apis(server, pictures):
 
 
 def test_info_says_it_takes_images(server):
+    server, model_id = server
     info = httpx.get(f"{server}/info", timeout=30).json()
-    assert info["model_id"] == EXAMPLE_VISION_MODEL_ID and info["input_modalities"] == ["text", "image"]
+    assert info["model_id"] == model_id and info["input_modalities"] == ["text", "image"]
