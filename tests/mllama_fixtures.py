@@ -284,3 +284,31 @@ def expected_modules(model, target: str) -> list[str]:
     return sorted(
         name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and pattern.fullmatch(name)
     )
+
+
+# ------------------------------------------------------------------------------------------------ ours
+
+
+def pictures(sizes, seed: int) -> list[np.ndarray]:
+    """Random pictures of the given (height, width) sizes."""
+    return [image(h, w, seed * 10 + i) for i, (h, w) in enumerate(sizes)]
+
+
+def request_inputs(processor, text: str, images) -> tuple[list[int], "ImageInputs | None"]:
+    """Token ids and the engine's image inputs for one request, as the server's processor path makes them."""
+    from loraplex.engine.images import ImageInputs
+
+    out = hf_inputs(processor, text, images)
+    ids = out["input_ids"][0].tolist()
+    if not len(images):
+        return ids, None
+    return ids, ImageInputs.from_processor(out, [im.shape[:2] for im in images], IMAGE_TOKEN)
+
+
+def tiny_pair(path) -> tuple:
+    """(transformers model, processor, our model, our config): `tiny_mllama(seed=0)` saved to `path` and loaded
+    as loraplex loads a checkpoint directory."""
+    from tests.helpers import load_saved
+
+    hf, processor = tiny_mllama(seed=0), mllama_processor()
+    return hf, processor, *load_saved(save_tiny_mllama(hf, processor, path))

@@ -44,7 +44,8 @@ class MllamaTextCrossAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        hidden, q_size, kv_size = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        hidden = config.hidden_size
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.q_proj = nn.Linear(hidden, q_size, bias=False)
         self.k_proj = nn.Linear(hidden, kv_size, bias=False)
         self.v_proj = nn.Linear(hidden, kv_size, bias=False)

@@ -7,15 +7,11 @@ batch's filter/concatenate of a request-to-image map would fail)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from loraplex.params import SamplingParams
-from tests.helpers import engine_for, load_saved
+from tests.helpers import engine_for
 from tests.lora.peft_helpers import save_and_load
-from tests.mllama_fixtures import (
-    ADAPTER_TARGETS, hf_greedy, image, mllama_peft_adapter, mllama_processor, save_tiny_mllama, tiny_mllama,
-)
-from tests.models.test_mllama_parity import request_inputs
+from tests.mllama_fixtures import ADAPTER_TARGETS, hf_greedy, mllama_peft_adapter, pictures, request_inputs, tiny_pair
 
 
 NEW = 5
@@ -33,13 +29,7 @@ LORA_CASES = ("text", "cross", "vision", "projector", "lm_head", "all")
 
 @pytest.fixture(scope="module")
 def mllama(tmp_path_factory):
-    hf, processor = tiny_mllama(seed=0), mllama_processor()
-    model, config = load_saved(save_tiny_mllama(hf, processor, tmp_path_factory.mktemp("mllama")))
-    return hf, processor, model, config
-
-
-def pictures(sizes, seed):
-    return [image(h, w, seed * 10 + i) for i, (h, w) in enumerate(sizes)]
+    return tiny_pair(tmp_path_factory.mktemp("mllama"))
 
 
 @pytest.fixture(scope="module")

@@ -9,19 +9,16 @@ from loraplex.params import SamplingParams
 from tests.helpers import engine_for, image_model_logits, load_saved
 from tests.lora.peft_helpers import save_and_load
 from tests.mllama_fixtures import (
-    ADAPTER_TARGETS, hf_greedy, hf_logits, image, mllama_peft_adapter, mllama_processor, save_tiny_mllama, tiny_mllama,
+    ADAPTER_TARGETS, hf_greedy, hf_logits, mllama_peft_adapter, mllama_processor, pictures, request_inputs,
+    save_tiny_mllama, tiny_mllama,
 )
-from tests.models.test_mllama_parity import CASES, request_inputs
+from tests.models.test_mllama_parity import CASES
 
 if not torch.cuda.is_available():
     pytest.fail("tests/gpu needs a CUDA device", pytrace=False)
 
 DEVICE = "cuda"
 NEW = 6
-
-
-def pictures(sizes, seed):
-    return [image(h, w, seed * 10 + i) for i, (h, w) in enumerate(sizes)]
 
 
 @pytest.fixture(scope="module")

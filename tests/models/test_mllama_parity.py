@@ -16,10 +16,9 @@ from loraplex.engine.image_states import image_rows
 from loraplex.engine.images import ImageInputs
 from loraplex.engine.engine import RequestRefused
 from loraplex.params import SamplingParams
-from tests.helpers import engine_for, image_model_logits, load_saved
+from tests.helpers import engine_for, image_model_logits
 from tests.mllama_fixtures import (
-    IMAGE_TOKEN, hf_greedy, hf_inputs, hf_logits, image, mllama_processor, save_tiny_mllama, tiny_mllama,
-    tiny_mllama_config,
+    IMAGE_TOKEN, hf_greedy, hf_logits, pictures, request_inputs, tiny_mllama_config, tiny_pair,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,22 +36,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def mllama(tmp_path_factory):
-    hf, processor = tiny_mllama(seed=0), mllama_processor()
-    model, config = load_saved(save_tiny_mllama(hf, processor, tmp_path_factory.mktemp("mllama")))
-    return hf, processor, model, config
-
-
-def pictures(sizes, seed):
-    return [image(h, w, seed * 10 + i) for i, (h, w) in enumerate(sizes)]
-
-
-def request_inputs(processor, text, images) -> tuple[list[int], ImageInputs | None]:
-    """Token ids and the engine's image inputs, as the server's processor path makes them."""
-    out = hf_inputs(processor, text, images)
-    ids = out["input_ids"][0].tolist()
-    if not images:
-        return ids, None
-    return ids, ImageInputs.from_processor(out, [im.shape[:2] for im in images], IMAGE_TOKEN)
+    return tiny_pair(tmp_path_factory.mktemp("mllama"))
 
 
 def test_config_and_names(mllama):
