@@ -83,8 +83,8 @@ class MllamaCrossAttentionDecoderLayer(nn.Module):
         x = x + self.cross_attn_attn_gate.tanh() * self.cross_attn(self.input_layernorm(x), states)
         mlp = self.mlp(self.post_attention_layernorm(x))
         seeing = attention.rows_seeing_states()
-        if seeing is not None:
-            mlp = mlp * seeing[:, None].to(mlp.dtype)
+        if seeing is not None:  # a fill, not a 0/1 multiply: nothing (not even a NaN) reaches those rows
+            mlp = mlp.masked_fill(~seeing[:, None], 0.0)
         return x + self.cross_attn_mlp_gate.tanh() * mlp
 
 
