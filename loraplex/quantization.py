@@ -183,7 +183,26 @@ def _quantized(bnb, linear: nn.Linear, mode: str, device: torch.device, compute_
         layer.weight = params.to(device)  # Params4bit quantizes on its move to a device
     if has_bias:
         layer.bias = nn.Parameter(linear.bias.detach().to(device), requires_grad=False)
+    keep_cpu_4bit_packable(layer)
     return layer.train(linear.training)
+
+
+# bitsandbytes' packed 4-bit CPU kernel (CPUs with AVX512-BF16) repacks a Linear4bit's weight at its first forward
+# and fails unless out_features is a multiple of this and in_features of the quantization block size.
+_CPU_PACK_BLOCK_N = 32
+
+
+def keep_cpu_4bit_packable(module: nn.Module) -> None:
+    """Send the bitsandbytes Linear4bit layers in `module` whose shapes its packed CPU kernel cannot take (tiny
+    or odd sizes) to its generic CPU path: on an AVX512-BF16 CPU they would fail at their first forward."""
+    for layer in module.modules():
+        weight = getattr(layer, "weight", None)
+        state = getattr(weight, "quant_state", None)
+        if not getattr(layer, "support_avx512bf16_for_cpu", False) or state is None:
+            continue
+        out_features, in_features = state.shape
+        if out_features % _CPU_PACK_BLOCK_N or in_features % state.blocksize:
+            layer.support_avx512bf16_for_cpu = False
 
 
 def move_unquantized(model: nn.Module, device: torch.device | str) -> None:

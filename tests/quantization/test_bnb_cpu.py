@@ -34,6 +34,7 @@ from loraplex.quantization import (
     default_skip,
     dequantized_weight,
     is_quantized,
+    keep_cpu_4bit_packable,
     quantize_model,
     weight_bytes,
 )
@@ -91,10 +92,14 @@ def bnb_config(mode: str, dtype: torch.dtype):
 
 
 def hf_quantized(path, mode: str, dtype: torch.dtype, cls=None):
+    """transformers' quantized model; its tiny 4-bit layers take bitsandbytes' generic CPU path, as ours do (the
+    packed one of AVX512-BF16 CPUs cannot take their shapes)."""
     cls = cls or transformers.AutoModelForCausalLM
-    return cls.from_pretrained(
+    model = cls.from_pretrained(
         path, quantization_config=bnb_config(mode, dtype), device_map="cpu", dtype=dtype, attn_implementation="eager"
     ).eval()
+    keep_cpu_4bit_packable(model)
+    return model
 
 
 def ours_from_dir(path, dtype: torch.dtype, mode: str | None = None) -> tuple[nn.Module, ModelConfig]:
@@ -465,3 +470,47 @@ def test_move_unquantized_keeps_ties_and_skips_quantized_layers():
     move_unquantized(model, "meta")  # another device, without needing one: every float tensor moves
     assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.device.type == "meta"
     assert all(p.device.type == "cpu" for m in model.modules() if is_quantized(m) for p in m.parameters())
+
+
+def test_tiny_4bit_layers_avoid_the_packed_cpu_kernel():
+    """bitsandbytes' packed 4-bit CPU kernel (AVX512-BF16 CPUs) fails on shapes it cannot tile: those layers are
+    sent to its generic path, whatever CPU runs this; tileable ones keep the packed kernel."""
+    model = nn.Sequential(nn.Linear(16, 24), nn.Linear(64, 64))
+    quantize_model(model, "bitsandbytes-nf4", "cpu", torch.float32, skip=lambda name: False)
+    for layer in model:
+        layer.support_avx512bf16_for_cpu = True  # as on such a CPU
+    keep_cpu_4bit_packable(model)
+    assert [layer.support_avx512bf16_for_cpu for layer in model] == [False, True]
+    assert model[0](torch.ones(2, 16)).shape == (2, 24)
+
+
+# ---- Mllama: the vision encoder, projector and cross-attention layers are quantized too, as transformers does ----
+
+
+@pytest.mark.parametrize("mode", ["bitsandbytes", "bitsandbytes-nf4"])
+def test_mllama_quantized_like_transformers(tmp_path, mode):
+    """nf4: logits as transformers'. LLM.int8: transformers' own model fails (its projector feeds bitsandbytes'
+    int8 matmul a 5-D tensor; ours a 3-D one), so ours is checked against our float model instead."""
+    from tests.helpers import engine_for, image_model_logits
+    from tests.mllama_fixtures import hf_logits, mllama_processor, pictures, request_inputs, save_tiny_mllama, tiny_mllama
+
+    processor = mllama_processor()
+    save_tiny_mllama(tiny_mllama(seed=0), processor, tmp_path)
+    ours, config = ours_from_dir(tmp_path, torch.float32, mode)
+    reference = hf_quantized(tmp_path, mode, torch.float32, transformers.MllamaForConditionalGeneration)
+    names = quantized_names(ours)
+    assert names == quantized_names(reference)
+    assert any(".cross_attn." in n for n in names) and any(".vision_model." in n for n in names)
+
+    text, images = "<|image|>w1 w2 w3 w40", pictures([(30, 60)], seed=1)
+    ids, inputs = request_inputs(processor, text, images)
+    got = image_model_logits(engine_for(ours, config), ids, inputs)
+    unquantized, _ = ours_from_dir(tmp_path, torch.float32)
+    float_logits = image_model_logits(engine_for(unquantized, config), ids, inputs)
+    if mode == "bitsandbytes-nf4":
+        want = hf_logits(reference, processor, text, images)
+        torch.testing.assert_close(got, want, atol=atol(want), rtol=0)
+        assert (float_logits - got).abs().max() > 10 * atol(want)
+    else:
+        torch.testing.assert_close(got, float_logits, atol=0.1 * float_logits.abs().max().item(), rtol=0)
+        assert not torch.equal(got, float_logits)
