@@ -9,9 +9,9 @@ Policy:
   budget is prefilled in chunks over several steps.
 - No admission in a step that had to preempt: the cache is full, admitting would only thrash.
 - A request with cross-attention states (an encoder-decoder's encoder output, a vision model's image
-  states) also holds KV blocks for them, taken at admission and freed with the rest; an encoder's tokens
-  count against the prefill budget of the step that admits it (the encoder runs then, whole: it cannot
-  be chunked). States come from a pool of their own when the model's cross-attention layers cache nothing
+  states) also holds KV blocks for them, taken at admission and freed with the rest; its states count
+  against the prefill budget of the step that admits it (the encoder or image encoder that makes them runs
+  then, whole: it cannot be chunked). States come from a pool of their own when the model's cross-attention layers cache nothing
   else (Mllama: `num_state_blocks`), else from the token pool (T5, BART: a decoder layer caches both).
 - A request for an adapter is admitted only when its adapter holds, or can take, a device slot (see
   `AdapterSlots`: pinned while used, LRU reuse, fair rotation). A request that cannot have a slot yet
@@ -171,7 +171,7 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, n))
             if n > 1:
                 budget -= n
-            budget -= len(request.encoder_ids or ())
+            budget -= request.num_states  # its encoder (or image encoder) runs this step too
         self.waiting.extendleft(reversed(passed_over))  # they keep their place in the queue
 
     def _take_slot(self, request: Request, out: SchedulerOutput) -> bool:

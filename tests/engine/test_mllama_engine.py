@@ -191,3 +191,14 @@ def test_image_states_have_a_pool_of_their_own(mllama, cases):
     assert scheduler.state_allocator.num_used == 1 and scheduler.allocator.num_used == 1
     engine.abort_request(request.request_id)
     assert scheduler.state_allocator.num_used == 0 and scheduler.allocator.num_used == 0
+
+
+def test_image_states_count_against_the_prefill_budget(mllama, cases):
+    """The image encoder runs, whole, in the step that admits a request: its states draw on that step's prefill
+    budget, so two image requests that would overrun it start in different steps."""
+    _, _, model, config = mllama
+    _, _, ids, images = cases[3]  # 15 states (two images: 1 + 2 real tiles)
+    engine = engine_for(model, config, max_batch_prefill_tokens=len(ids) + 15)
+    first, second = (engine.add_request(ids, PARAMS, images=images) for _ in range(2))
+    assert [s.request for s in engine.scheduler.schedule().scheduled] == [first]
+    assert second in engine.scheduler.waiting
