@@ -144,6 +144,8 @@ class Engine:
             raise RequestRefused("the prompt is empty")
         if images is not None:
             self._check_images(prompt_ids, images)
+        elif self._image_token is not None and self._image_token in prompt_ids:
+            raise RequestRefused("the prompt has image tokens but no images came with it")
         if len(prompt_ids) > self.config.max_input_length:
             raise RequestRefused(
                 f"prompt has {len(prompt_ids)} tokens; must be <= {self.config.max_input_length} (max input length)"
@@ -231,6 +233,14 @@ class Engine:
     @property
     def takes_images(self) -> bool:
         return self.runner.takes_images
+
+    @property
+    def _image_token(self) -> int | None:
+        """The token that stands for an image in a prompt (None: the model takes no images)."""
+        config = self.model_config
+        if config.mllama is not None:
+            return config.mllama.image_token_id
+        return config.vision.image_token_id if config.vision is not None else None
 
     def _check_images(self, prompt_ids: list[int], images: ImageInputs) -> None:
         if not self.takes_images:

@@ -135,6 +135,8 @@ def test_refusals(mllama):
     _, processor, model, config = mllama
     engine = engine_for(model, config, max_batch_total_tokens=16)  # one block for tokens, one for states
     ids, inputs = request_inputs(processor, "w1 <|image|>w2", pictures([(30, 60)], 0))
+    with pytest.raises(RequestRefused, match="image tokens but no images"):  # transformers' processor refuses too
+        engine.add_request(ids, SamplingParams(max_new_tokens=2))
     with pytest.raises(RequestRefused, match="image tokens for 2 images"):
         engine.add_request(ids, SamplingParams(max_new_tokens=2), images=ImageInputs.for_prompt(
             ids, torch.cat([inputs.pixel_values] * 2), [(1, 1)] * 2, IMAGE_TOKEN,

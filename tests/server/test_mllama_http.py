@@ -114,8 +114,12 @@ def test_tokenize_shows_one_image_token_per_image(served):
 def test_images_without_their_tokens_are_refused_while_others_succeed(served):
     _, _, app = served
     body = {"inputs": "w5 <|image|> <|image|> w6 ![](" + data_url(png(seed=1)) + ")", "parameters": {"max_new_tokens": 2}}
-    bad, good, info = call(app, ("POST", "/generate", body), ("POST", "/v1/chat/completions", chat([data_url(png(seed=3))])),
-                           ("GET", "/info", None))
+    no_image = {"inputs": "w5 <|image|> w6", "parameters": {"max_new_tokens": 2}}
+    bad, unaccompanied, good, info = call(
+        app, ("POST", "/generate", body), ("POST", "/generate", no_image),
+        ("POST", "/v1/chat/completions", chat([data_url(png(seed=3))])), ("GET", "/info", None),
+    )
     assert bad.status_code == 422 and "3 <|image|> tokens and 1 images" in bad.json()["error"], bad.text
+    assert unaccompanied.status_code == 422 and "no images" in unaccompanied.json()["error"], unaccompanied.text
     assert good.status_code == 200, good.text
     assert info.json()["model_type"] == "mllama" and info.json()["input_modalities"] == ["text", "image"]
