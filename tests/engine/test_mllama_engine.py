@@ -7,6 +7,7 @@ batch's filter/concatenate of a request-to-image map would fail)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for
@@ -202,3 +203,44 @@ def test_image_states_count_against_the_prefill_budget(mllama, cases):
     first, second = (engine.add_request(ids, PARAMS, images=images) for _ in range(2))
     assert [s.request for s in engine.scheduler.schedule().scheduled] == [first]
     assert second in engine.scheduler.waiting
+
+
+def test_an_adapter_trained_on_the_transformers_4_layout_loads_the_same(mllama, tmp_path):
+    """PEFT on transformers 4's MllamaForConditionalGeneration (most Llama 3.2 Vision adapters) names modules
+    `language_model.model.*`, `language_model.lm_head`, `vision_model.*`, `multi_modal_projector`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from loraplex.lora.adapter import load_adapter_dir
+
+    hf, _, model, config = mllama
+    source = tmp_path / "v5"
+    # Suffixes, as such adapters list them: the config matches either layout's names.
+    suffixes = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc1", "fc2", "lm_head"]
+    mllama_peft_adapter(hf, suffixes, source, seed=4)
+    renames = [("base_model.model.model.language_model.", "base_model.model.language_model.model."),
+               ("base_model.model.model.vision_model.", "base_model.model.vision_model."),
+               ("base_model.model.lm_head.", "base_model.model.language_model.lm_head.")]
+    tensors = {}
+    for key, tensor in load_file(str(source / "adapter_model.safetensors")).items():
+        for old, new in renames:
+            if key.startswith(old):
+                key = new + key[len(old):]
+        tensors[key] = tensor
+    assert any(k.startswith("base_model.model.language_model.model.layers.1.cross_attn.") for k in tensors)
+    old_layout = tmp_path / "v4"
+    shutil.copytree(source, old_layout)
+    save_file(tensors, str(old_layout / "adapter_model.safetensors"))
+    assert json.loads((old_layout / "adapter_config.json").read_text())["target_modules"]
+
+    shapes = engine_for(model, config, max_active_adapters=1).lora.base_shapes
+    weight = lambda m: model.get_submodule(m).weight  # noqa: E731
+    new = load_adapter_dir(source, "v5", shapes, 64, weight)
+    old = load_adapter_dir(old_layout, "v4", shapes, 64, weight, type(model).checkpoint_name)
+    assert set(old.modules) == set(new.modules)
+    assert {"lm_head", "model.language_model.layers.3.cross_attn.v_proj",
+            "model.vision_model.global_transformer.layers.0.mlp.fc1"} <= set(new.modules)
+    for name, weights in new.modules.items():
+        assert torch.equal(old.modules[name].a, weights.a) and old.modules[name].scale == weights.scale
