@@ -9,6 +9,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match (structured output): `kind` is "json_schema" (`value`: the schema as
+    JSON text), "json_object" (any JSON object; `value` unused), "regex" (`value`: the pattern) or "choice"
+    (`value`: a JSON list of the allowed strings)."""
+
+    kind: str
+    value: str
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 20
     do_sample: bool = False
@@ -27,6 +37,7 @@ class SamplingParams:
     top_n_tokens: int = 0  # alternatives reported per generated token
     prompt_logprobs: bool = False
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # structured output: tokens outside it are never sampled
 
     @property
     def greedy(self) -> bool:

@@ -23,7 +23,8 @@ from loraplex.engine.runner import ForcedTokens, ModelRunner, StepResult
 from loraplex.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.layers import LoraSlots
-from loraplex.params import SamplingParams, TokenInfo
+from loraplex.params import GrammarSpec, SamplingParams, TokenInfo
+from loraplex.structured import GrammarError, Grammars, advance
 from loraplex.tokenizer import IncrementalDetokenizer, find_stop
 
 
@@ -100,6 +101,7 @@ class Engine:
         )
         self._streams: dict[str, _Stream] = {}
         self._next_id = 0
+        self._grammars: Grammars | None = None  # structured output, made at the first request that asks
 
     @classmethod
     def from_config(cls, config: EngineConfig, show_progress: bool = False) -> "Engine":
@@ -173,6 +175,8 @@ class Engine:
             request_id, list(prompt_ids), params, seed, time.monotonic(), images=images, encoder_ids=encoder_ids,
             num_states=num_states,
         )
+        if params.grammar is not None:
+            request.grammar = self._grammar_matcher(params.grammar)
         if adapter is not None:
             self._use_adapter(adapter)
             request.adapter_id = adapter.adapter_id
@@ -265,6 +269,17 @@ class Engine:
         )
         return replace(images, layout=layout)
 
+    def _grammar_matcher(self, spec: GrammarSpec):
+        if self.tokenizer is None:
+            raise RequestRefused("structured output needs the model's tokenizer")
+        if self._grammars is None:
+            config = self.model_config
+            self._grammars = Grammars(self.tokenizer.hf, config.vocab_size, tuple(self.tokenizer.eos_token_ids))
+        try:
+            return self._grammars.matcher(spec)
+        except GrammarError as exc:
+            raise RequestRefused(f"invalid grammar: {exc}") from exc
+
     def _use_adapter(self, adapter: LoraAdapter) -> None:
         unknown = set(adapter.modules) - set(self.lora.layers)
         if unknown:
@@ -351,6 +366,10 @@ class Engine:
         stream = self._streams[request.request_id]
         stream.first_token_time = stream.first_token_time or now
         request.output_ids.append(token_id)
+        if request.grammar is not None:
+            error = advance(request.grammar, token_id)
+            if error is not None:
+                return self._fail(request, error)
         piece = stream.detokenizer.add(token_id) if stream.detokenizer else ""
         token = TokenInfo(
             id=token_id,
@@ -376,6 +395,8 @@ class Engine:
         params = request.params
         eos_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
         if (token_id in eos_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+            return FinishReason.EOS_TOKEN
+        if request.grammar is not None and request.grammar.is_stopped():  # complete, its end token taken
             return FinishReason.EOS_TOKEN
         if params.stop and stream.detokenizer is not None:
             stop_at = find_stop(stream.detokenizer.text, len(piece), params.stop)

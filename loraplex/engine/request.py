@@ -55,6 +55,8 @@ class Request:
     # model's image states, set by the engine, which knows the model; 0: none), kept in `cross_block_ids`
     # while it runs.
     num_states: int = 0
+    # Structured output: the request's grammar matcher (loraplex.structured), fed each generated token.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if self.encoder_ids is not None and not self.num_states:

@@ -27,6 +27,7 @@ from loraplex.layers.forward_context import (
 )
 from loraplex.lora.layers import LoraSlots
 from loraplex.sampling import Sampler, token_logprobs
+from loraplex.structured import apply_masks
 
 # Steps whose adapter segments have at most this many rows each use the stacked LoRA form (each
 # adapter's rows padded to the longest segment, two batched matmuls per module). On a GPU each small
@@ -188,6 +189,7 @@ class ModelRunner:
                 logits, sample_seqs = self._drop_non_finite(logits, sample_seqs, results)
                 requests = [scheduled[i].request for i in sample_seqs]
                 self._force_tokens(logits, requests)
+                apply_masks(logits, [r.grammar for r in requests])
                 out = self.sampler(
                     logits,
                     [r.params for r in requests],
