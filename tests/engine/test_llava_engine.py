@@ -12,7 +12,7 @@ from loraplex.engine.images import ImageInputs
 from loraplex.lora.adapter import load_adapter_dir
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for
-from tests.lora.peft_helpers import peft_model, save_and_load
+from tests.lora.peft_helpers import peft_model, relayout_adapter, save_and_load
 from tests.models.test_llava_next_parity import IMAGE_TOKEN, TALL, WIDE, image, inputs, processor, saved, tiny_llava
 
 NEW = 6
@@ -163,9 +163,7 @@ def test_an_adapter_trained_on_the_transformers_4_layout_loads_the_same(llava, a
     """PEFT on transformers 4's LlavaNextForConditionalGeneration names modules `language_model.model.*`,
     `vision_tower.vision_model.*`, `multi_modal_projector.*`, `language_model.lm_head`."""
     import json
-    import shutil
 
-    from safetensors.torch import load_file, save_file
 
     hf, ours, config = llava
     adapter, _ = adapters["everything"]
@@ -175,15 +173,8 @@ def test_an_adapter_trained_on_the_transformers_4_layout_loads_the_same(llava, a
                ("base_model.model.model.vision_tower.", "base_model.model.vision_tower.vision_model."),
                ("base_model.model.model.multi_modal_projector.", "base_model.model.multi_modal_projector."),
                ("base_model.model.lm_head.", "base_model.model.language_model.lm_head.")]
-    tensors = {}
-    for key, tensor in load_file(str(source / "adapter_model.safetensors")).items():
-        for old, new in renames:
-            if key.startswith(old):
-                key = new + key[len(old):]
-        tensors[key] = tensor
     old_layout = tmp_path / "v4"
-    shutil.copytree(source, old_layout)
-    save_file(tensors, str(old_layout / "adapter_model.safetensors"))
+    relayout_adapter(source, old_layout, renames)
     assert json.loads((old_layout / "adapter_config.json").read_text())["target_modules"]
 
     shapes = engine_for(ours, config, max_active_adapters=1).lora.base_shapes

@@ -11,7 +11,7 @@ import torch
 
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for
-from tests.lora.peft_helpers import save_and_load
+from tests.lora.peft_helpers import relayout_adapter, save_and_load
 from tests.mllama_fixtures import ADAPTER_TARGETS, hf_greedy, mllama_peft_adapter, pictures, request_inputs, tiny_pair
 
 
@@ -209,9 +209,6 @@ def test_an_adapter_trained_on_the_transformers_4_layout_loads_the_same(mllama, 
     """PEFT on transformers 4's MllamaForConditionalGeneration (most Llama 3.2 Vision adapters) names modules
     `language_model.model.*`, `language_model.lm_head`, `vision_model.*`, `multi_modal_projector`."""
     import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
 
     from loraplex.lora.adapter import load_adapter_dir
 
@@ -223,16 +220,9 @@ def test_an_adapter_trained_on_the_transformers_4_layout_loads_the_same(mllama, 
     renames = [("base_model.model.model.language_model.", "base_model.model.language_model.model."),
                ("base_model.model.model.vision_model.", "base_model.model.vision_model."),
                ("base_model.model.lm_head.", "base_model.model.language_model.lm_head.")]
-    tensors = {}
-    for key, tensor in load_file(str(source / "adapter_model.safetensors")).items():
-        for old, new in renames:
-            if key.startswith(old):
-                key = new + key[len(old):]
-        tensors[key] = tensor
-    assert any(k.startswith("base_model.model.language_model.model.layers.1.cross_attn.") for k in tensors)
     old_layout = tmp_path / "v4"
-    shutil.copytree(source, old_layout)
-    save_file(tensors, str(old_layout / "adapter_model.safetensors"))
+    tensors = relayout_adapter(source, old_layout, renames)
+    assert any(k.startswith("base_model.model.language_model.model.layers.1.cross_attn.") for k in tensors)
     assert json.loads((old_layout / "adapter_config.json").read_text())["target_modules"]
 
     shapes = engine_for(model, config, max_active_adapters=1).lora.base_shapes

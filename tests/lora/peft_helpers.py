@@ -107,3 +107,22 @@ def reference_step_logits(model, prompt: list[int], generated: list[int]) -> tor
     """The logits each generated token was chosen from [len(generated), vocab], in one forward pass."""
     ids = prompt + generated[:-1]
     return model(torch.tensor([ids])).logits[0, len(prompt) - 1 :].float()
+
+
+def relayout_adapter(source: pathlib.Path, dest: pathlib.Path, renames: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
+    """A copy of the saved adapter `source` in `dest` whose tensor names have each (old, new) prefix replaced:
+    the adapter as PEFT would have saved it on another layout of the same model (transformers 4's). Returns the
+    renamed tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for key, tensor in load_file(str(source / "adapter_model.safetensors")).items():
+        for old, new in renames:
+            if key.startswith(old):
+                key = new + key[len(old):]
+        tensors[key] = tensor
+    shutil.copytree(source, dest)
+    save_file(tensors, str(dest / "adapter_model.safetensors"))
+    return tensors

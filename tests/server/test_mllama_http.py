@@ -5,11 +5,9 @@ validation status)."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -21,6 +19,7 @@ from loraplex.engine.engine import Engine
 from loraplex.engine.loading import load_model
 from loraplex.server.app import create_app
 from tests.mllama_fixtures import IMAGE_TOKEN, PAD, meta_row_masking, mllama_processor, save_tiny_mllama, tiny_mllama
+from tests.server.test_images_http import call
 
 NEW = 5
 
@@ -44,14 +43,6 @@ def served(tmp_path_factory):
     engine = AsyncEngine(Engine(load_model(config), config))
     yield hf, processor, create_app(engine, ServerConfig())
     engine.shutdown()
-
-
-def call(app, *requests):
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120) as c:
-            return await asyncio.gather(*(c.request(method, path, json=body) for method, path, body in requests))
-
-    return asyncio.run(main())
 
 
 @torch.inference_mode()
