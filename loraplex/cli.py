@@ -43,6 +43,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=_env("QUANTIZE"), choices=QUANTIZE_CHOICES,
                    help="quantize the base model's linears with bitsandbytes: int8 (LLM.int8), nf4 or fp4 "
                         "(LoRA adapters run on top in the model's dtype)")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=_env("PREFIX_CACHING", True, _truthy),
+                   help="share computed KV blocks between requests with the same prompt prefix, adapter and images "
+                        "(on by default; outputs are unchanged)")
     p.add_argument("--adapter-source", default=_env("ADAPTER_SOURCE", "hub"), choices=["hub", "local"],
                    help="where adapter ids are looked up unless a request says otherwise")
     p.add_argument("--adapter-root", action="append", default=_env("ADAPTER_ROOT", None, lambda v: v.split(",")),
@@ -91,6 +95,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         adapter_cycle_time_s=args.adapter_cycle_time_s,
         chat_template=args.chat_template,
         quantize=args.quantize,
+        prefix_caching=args.prefix_caching,
     )
 
 

@@ -568,6 +568,9 @@ class EngineConfig:
     adapter_cycle_time_s: float = 2.0
     chat_template: str | None = None  # a Jinja chat template file, for checkpoints that ship none (or to override)
     quantize: str | None = None  # bitsandbytes | bitsandbytes-nf4 | bitsandbytes-fp4 (LoRAX's --quantize)
+    # Share computed KV blocks between requests with the same prefix, adapter and images (exact: a hit holds
+    # the keys and values the request would compute itself).
+    prefix_caching: bool = True
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from loraplex.engine.image_states import ImageStateLayout
 from loraplex.engine.images import ImageInputs
 from loraplex.engine.kv_cache import blocks_for
 from loraplex.engine.loading import LoadedModel, load_model
+from loraplex.engine.prefix_cache import root_key
 from loraplex.engine.request import FinishReason, Request
 from loraplex.engine.runner import ForcedTokens, ModelRunner, StepResult
 from loraplex.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
@@ -87,6 +88,7 @@ class Engine:
                 num_adapter_slots=config.max_active_adapters,
                 adapter_cycle_time_s=config.adapter_cycle_time_s,
                 num_state_blocks=num_state_blocks,
+                prefix_caching=config.prefix_caching,
             )
         )
         self.lora = LoraSlots(loaded.model, config.max_active_adapters, loaded.device, loaded.dtype)
@@ -138,10 +140,11 @@ class Engine:
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-        adapter: LoraAdapter | None = None, images: ImageInputs | None = None,
+        adapter: LoraAdapter | None = None, images: ImageInputs | None = None, cache_salt: str | None = None,
     ) -> Request:
         """Queue a request; `adapter` (loaded, e.g. by an AdapterStore) or None for the base model;
-        `images` for a model that takes them (already expanded into placeholder tokens in the prompt)."""
+        `images` for a model that takes them (already expanded into placeholder tokens in the prompt);
+        `cache_salt`: only requests with the same salt share cached prefix blocks (a tenant's own key)."""
         if not prompt_ids:
             raise RequestRefused("the prompt is empty")
         if images is not None:
@@ -180,6 +183,9 @@ class Engine:
         if adapter is not None:
             self._use_adapter(adapter)
             request.adapter_id = adapter.adapter_id
+        if self.config.prefix_caching:
+            request.cache_key = root_key(adapter.fingerprint if adapter else None, cache_salt, encoder_ids)
+            request.image_digest = images.digest() if images is not None else b""
         detok = (
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
             if self.tokenizer is not None
@@ -357,6 +363,7 @@ class Engine:
             if result.prompt_logprobs:
                 request.prompt_logprobs = (request.prompt_logprobs or []) + result.prompt_logprobs
             request.num_computed_tokens += item.num_new_tokens
+            request.states_ready = bool(request.num_states)  # made by its first step, if it has any
             if result.token_id is not None:
                 outputs.append(self._append_token(request, result, now))
         return outputs

@@ -10,6 +10,7 @@ once the prompt is computed; a preempted request re-encodes when its prompt is p
 from __future__ import annotations
 
 import bisect
+import hashlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -57,6 +58,16 @@ class ImageInputs:
     def for_ids(self, prompt_ids: list[int]) -> "ImageInputs":
         """The same images for another prompt (one cut from this one): placeholders found again."""
         return replace(self, positions=[i for i, t in enumerate(prompt_ids) if t == self.token_id], layout=None)
+
+    def digest(self) -> bytes:
+        """A digest of the pixels the model will see (prefix caching keys image-dependent blocks by it)."""
+        digest = hashlib.blake2b(digest_size=16)
+        for t in (self.pixel_values, self.aspect_ratio_ids, self.aspect_ratio_mask):
+            if t is not None:
+                digest.update(str((t.dtype, tuple(t.shape))).encode())
+                digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+        digest.update(repr(self.image_sizes).encode())
+        return digest.digest()
 
     @property
     def num_images(self) -> int:

@@ -48,15 +48,24 @@ class Request:
     # Encoder-decoder models: the encoder's input (what the client sent; `prompt_ids` is then the decoder's
     # start, [decoder_start_token_id]), and the KV blocks holding its cross-attention states while running.
     # The encoder (or a vision model's image encoder) runs at the request's first step after each
-    # admission (num_computed_tokens == 0).
+    # admission (see `states_ready`).
     encoder_ids: list[int] | None = None
     cross_block_ids: list[int] = field(default_factory=list)
     # States its cross-attention layers read (an encoder's output rows, one per encoder token; a vision
     # model's image states, set by the engine, which knows the model; 0: none), kept in `cross_block_ids`
     # while it runs.
     num_states: int = 0
+    # Whether its cross-attention states are in `cross_block_ids` (made at its first step after admission).
+    states_ready: bool = False
     # Structured output: the request's grammar matcher (loraplex.structured), fed each generated token.
     grammar: Any = None
+    # Prefix caching (engine.prefix_cache): the root of its blocks' hash chain (None: never cached), the digest
+    # of its images, its full blocks' hashes as far as computed, and how many of its `block_ids` (from the
+    # first) are registered in the cache or taken from it.
+    cache_key: bytes | None = None
+    image_digest: bytes = b""
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.encoder_ids is not None and not self.num_states:

@@ -395,7 +395,7 @@ class ModelRunner:
         for s, item in enumerate(scheduled):
             request = item.request
             assert bool(request.num_states) == bool(request.cross_block_ids), "states without their blocks"
-            if request.num_states and request.num_computed_tokens == 0:
+            if request.num_states and not request.states_ready:
                 n = request.num_states
                 batch.encoding.append(s)
                 if request.encoder_ids is not None:

@@ -13,6 +13,11 @@ Policy:
   against the prefill budget of the step that admits it (the encoder or image encoder that makes them runs
   then, whole: it cannot be chunked). States come from a pool of their own when the model's cross-attention layers cache nothing
   else (Mllama: `num_state_blocks`), else from the token pool (T5, BART: a decoder layer caches both).
+- Prefix caching (`prefix_caching`): a request's full blocks are registered under their content hash
+  (`prefix_cache`) once computed; a request being admitted takes the longest run of its full blocks the
+  cache holds (never its last token: that one must run to give logits) and computes only the rest. A
+  request asking for prompt logprobs looks nothing up (cached tokens are not scored again). Cached
+  blocks nobody holds are evicted least recently used first, when no free block is left.
 - A request for an adapter is admitted only when its adapter holds, or can take, a device slot (see
   `AdapterSlots`: pinned while used, LRU reuse, fair rotation). A request that cannot have a slot yet
   is passed over; requests behind it still start. So at most `num_adapter_slots` distinct adapters
@@ -26,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from loraplex.engine.kv_cache import BlockAllocator, blocks_for
+from loraplex.engine.prefix_cache import block_hashes
 from loraplex.engine.request import FinishReason, Request, RequestStatus
 from loraplex.lora.slots import AdapterSlots
 
@@ -40,6 +46,7 @@ class SchedulerConfig:
     num_adapter_slots: int = 1
     adapter_cycle_time_s: float = 2.0
     num_state_blocks: int = 0  # > 0: cross-attention states get a block pool of their own
+    prefix_caching: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self._by_id: dict[str, Request] = {}
+        # Prefix caching: prompt tokens of admitted requests that looked for cached blocks, and those found.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -141,6 +151,7 @@ class Scheduler:
             if n > 1:
                 budget -= n
             self._allocate(request, needed)
+            self._cache_blocks(request, n)
             out.scheduled.append(ScheduledRequest(request, n))
             index += 1
 
@@ -157,15 +168,25 @@ class Scheduler:
         passed_over: list[Request] = []
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.waiting[0]
-            n = min(request.num_uncomputed_tokens, budget)
-            needed = self._blocks_needed(request, n)
-            if not self._can_take(needed + self.config.watermark_blocks, self._missing_state_blocks(request)):
+            hit = self._cached_prefix(request)  # None: it looks nothing up
+            cached = hit or []
+            computed = len(cached) * self.config.block_size
+            n = min(request.num_tokens - computed, budget)
+            needed = blocks_for(computed + n, self.config.block_size) - len(cached)
+            taken = self.allocator.num_evictable(cached)  # cached blocks nobody holds count as free until taken
+            if not self._can_take(needed + taken + self.config.watermark_blocks, self._missing_state_blocks(request)):
                 break
             self.waiting.popleft()
             if request.adapter_id is not None and not self._take_slot(request, out):
                 passed_over.append(request)
                 continue
+            if hit is not None:
+                self.prefix_queries += request.num_tokens
+                self.prefix_hits += computed
+                self.allocator.take_cached(hit)
+                request.block_ids, request.num_cached_blocks, request.num_computed_tokens = hit, len(hit), computed
             self._allocate(request, needed)
+            self._cache_blocks(request, n)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, n))
@@ -173,6 +194,29 @@ class Scheduler:
                 budget -= n
             budget -= request.num_states  # its encoder (or image encoder) runs this step too
         self.waiting.extendleft(reversed(passed_over))  # they keep their place in the queue
+
+    def _cached_prefix(self, request: Request) -> list[int] | None:
+        """The cached blocks a waiting request can start from; None when it looks nothing up."""
+        if not self.config.prefix_caching or request.cache_key is None or request.params.prompt_logprobs:
+            return None
+        assert request.num_computed_tokens == 0 and not request.block_ids, "a waiting request holds no blocks"
+        most = (request.num_tokens - 1) // self.config.block_size  # its last token must run
+        return self.allocator.cached_blocks(block_hashes(request, most, self.config.block_size))
+
+    def _cache_blocks(self, request: Request, num_new_tokens: int) -> None:
+        """Register the blocks the request's step fills (as the step is planned, not after it ran: a request
+        admitted later in the same step then shares them; every backend writes a step's keys and values
+        before any attention of the step reads them). Only known tokens count (not draft tokens)."""
+        if not self.config.prefix_caching or request.cache_key is None:
+            return
+        filled = min(request.num_computed_tokens + num_new_tokens, request.num_tokens)
+        full = filled // self.config.block_size
+        if full <= request.num_cached_blocks:
+            return
+        hashes = block_hashes(request, full, self.config.block_size)
+        for i in range(request.num_cached_blocks, full):
+            self.allocator.register(request.block_ids[i], hashes[i])
+        request.num_cached_blocks = full
 
     def _take_slot(self, request: Request, out: SchedulerOutput) -> bool:
         adapter = request.adapter_id
@@ -215,6 +259,7 @@ class Scheduler:
         """`needed` more token blocks, and the request's state blocks when it has none yet."""
         if request.num_states and not request.cross_block_ids:
             request.cross_block_ids = self.state_allocator.allocate(self._cross_blocks(request))
+            request.states_ready = False
         request.block_ids.extend(self.allocator.allocate(needed))
 
     def _preempt(self, request: Request) -> Request:
@@ -234,6 +279,10 @@ class Scheduler:
             request.adapter_slot = None
 
     def _release_blocks(self, request: Request) -> None:
-        self.allocator.free(request.block_ids)
+        # Blocks registered for a step that did not complete (the request failed) were never filled.
+        for block in request.block_ids[request.num_computed_tokens // self.config.block_size : request.num_cached_blocks]:
+            self.allocator.unregister(block)
+        self.allocator.free(request.block_ids[::-1])
         self.state_allocator.free(request.cross_block_ids)
         request.block_ids, request.cross_block_ids = [], []
+        request.num_cached_blocks, request.states_ready = 0, False

@@ -11,10 +11,13 @@ What we do not serve is refused with a message naming the field or tensor, never
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
 import pathlib
 import re
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -280,6 +283,20 @@ class LoraAdapter:
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "LoraAdapter":
         return LoraAdapter(self.adapter_id, {m: w.to(device, dtype) for m, w in self.modules.items()}, self.config)
+
+    @functools.cached_property
+    def fingerprint(self) -> bytes:
+        """A digest of what the adapter computes (its weights and scales), not of its name: the prefix cache keys
+        blocks by it, so an adapter re-uploaded under the same id never reads the KV its old weights made."""
+        digest = hashlib.blake2b(digest_size=16)
+        for name in sorted(self.modules):
+            w = self.modules[name]
+            digest.update(name.encode())
+            digest.update(struct.pack("<d", w.scale))
+            for t in (w.a, w.b):
+                digest.update(str(tuple(t.shape)).encode())
+                digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+        return digest.digest()
 
 
 # Shapes of the base model's LoRA-capable linears: module name -> (in_features, out_features).

@@ -169,6 +169,7 @@ class AdapterStore:
     def _load_and_cache(self, key: str, read: Callable[[str], LoraAdapter], listed: bool) -> LoraAdapter:
         try:
             adapter = read(key)
+            adapter.fingerprint  # hashed here, on the loading thread, not on the engine's
         except BaseException as exc:
             with self._lock:
                 self._loading.pop(key, None)

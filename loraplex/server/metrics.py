@@ -106,6 +106,11 @@ class _EngineGauges:
         yield _gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1", usage)
         if scheduler.state_allocator is not scheduler.allocator:  # Mllama: image states in a pool of their own
             yield _gauge("loraplex_state_cache_usage_perc", "Image state cache usage, 0..1", scheduler.state_allocator.usage)
+        # vLLM's names, in tokens, so dashboards and routers that read a prefix-cache hit rate read ours.
+        yield CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=scheduler.prefix_queries)
+        yield CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  value=scheduler.prefix_hits)
         counters = self.engine.runner.vision_counters
         if counters is not None:
             yield CounterMetricFamily("loraplex_vision_encoded_images", "Images run through the vision tower",
