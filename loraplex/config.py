@@ -568,6 +568,9 @@ class EngineConfig:
     adapter_cycle_time_s: float = 2.0
     chat_template: str | None = None  # a Jinja chat template file, for checkpoints that ship none (or to override)
     quantize: str | None = None  # bitsandbytes | bitsandbytes-nf4 | bitsandbytes-fp4 (LoRAX's --quantize)
+    # Speculative decoding (LoRAX's --speculative-tokens): up to this many tokens guessed per request and step
+    # by n-gram lookup in its own tokens, verified by the model in one step; outputs unchanged. 0: off.
+    speculative_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,9 @@ class Request:
     num_states: int = 0
     # Structured output: the request's grammar matcher (loraplex.structured), fed each generated token.
     grammar: Any = None
+    # Speculative decoding: tokens guessed to follow its last one (engine/speculative.py), verified by the
+    # model in its next step; the scheduler may cut them, and they are dropped when it is preempted.
+    draft_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.encoder_ids is not None and not self.num_states:

@@ -1,0 +1,66 @@
+"""Speculative decoding's drafts: n-gram prompt lookup (LoRAX's `--speculative-tokens`). Pure Python.
+
+After each step, a decoding request looks for the most recent earlier place where its own tokens (the
+encoder's input for an encoder-decoder model, then the prompt, then the output) end the way they end now:
+the longest such suffix of at most `MAX_NGRAM` tokens wins (a longer match predicts better), the most
+recent occurrence of it breaks ties (a request that copies text goes on copying from where it is). The up
+to N tokens that followed that occurrence are the drafts. Copy-heavy work (repeating, quoting, editing or
+summarising a given text, code with repeated names) accepts many of them; elsewhere a draft costs one more
+row in a step that computes the request anyway, and nothing when no suffix matches.
+
+`MIN_NGRAM` is 1: a one-token match still predicts well in copied text, and a rejected draft is cheap next
+to the step's fixed cost (the weights are read once per step, whatever its rows).
+
+The model verifies the drafts in the next step (see verification.py); the outputs stay exactly those of
+decoding without them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MAX_NGRAM = 3
+MIN_NGRAM = 1
+
+
+def propose(tokens: Sequence[int], num_drafts: int, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
+    """Up to `num_drafts` tokens that followed the most recent earlier occurrence of the longest suffix of
+    `tokens` (at most `max_ngram`, at least `min_ngram` long); [] when no suffix occurred before."""
+    n = len(tokens)
+    if num_drafts <= 0 or n < 2:
+        return []
+    tokens = list(tokens)  # list.index searches in C
+    last = tokens[-1]
+    best_len, best_end = 0, -1  # best match: its length and the index of its last token
+    # Occurrences of the last token before the end, found left to right (the most recent wins a tie); the
+    # search ends at the last token itself.
+    i = tokens.index(last)
+    while i < n - 1:
+        length = 1
+        while length < max_ngram and length <= i and tokens[i - length] == tokens[n - 1 - length]:
+            length += 1
+        if length >= best_len:
+            best_len, best_end = length, i
+        i = tokens.index(last, i + 1)
+    if best_end < 0 or best_len < min_ngram:
+        return []
+    return tokens[best_end + 1 : best_end + 1 + num_drafts]
+
+
+def draft_limit(num_tokens: int, num_generated: int, max_new_tokens: int, max_total_tokens: int) -> int:
+    """Most drafts a request may verify: the step adds accepted drafts plus one token of its own, and must
+    not take the request past max_new_tokens or the longest sequence allowed."""
+    return max(0, min(max_new_tokens - num_generated, max_total_tokens - num_tokens) - 1)
+
+
+@dataclass
+class SpecDecodeCounters:
+    """Engine-wide totals (read by /metrics): drafts the model verified, and those it accepted."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
