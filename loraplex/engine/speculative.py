@@ -2,9 +2,11 @@
 
 After each step, a decoding request looks for the most recent earlier place where its own tokens (the
 encoder's input for an encoder-decoder model, then the prompt, then the output) end the way they end now:
-the longest such suffix of at most `MAX_NGRAM` tokens wins (a longer match predicts better), the most
-recent occurrence of it breaks ties (a request that copies text goes on copying from where it is). The up
-to N tokens that followed that occurrence are the drafts. Copy-heavy work (repeating, quoting, editing or
+the longest such suffix of at most `MAX_NGRAM` tokens wins (a longer match predicts better); among equally
+long ones, the most recent occurrence that is followed by N tokens (in a run of one repeated token or phrase
+the latest occurrences overlap the end and have fewer), else the one followed by the most; the most recent
+breaks remaining ties (a request that copies text goes on copying from where it is). The up to N tokens that
+followed that occurrence are the drafts. Copy-heavy work (repeating, quoting, editing or
 summarising a given text, code with repeated names) accepts many of them; elsewhere a draft costs one more
 row in a step that computes the request anyway, and nothing when no suffix matches.
 
@@ -32,7 +34,7 @@ def propose(tokens: Sequence[int], num_drafts: int, max_ngram: int = MAX_NGRAM, 
         return []
     tokens = list(tokens)  # list.index searches in C
     last = tokens[-1]
-    best_len, best_end = 0, -1  # best match: its length and the index of its last token
+    best, best_end = (0, 0), -1  # (match length, tokens it would draft) of the best occurrence; its last index
     # Occurrences of the last token before the end, found left to right (the most recent wins a tie); the
     # search ends at the last token itself.
     i = tokens.index(last)
@@ -40,10 +42,11 @@ def propose(tokens: Sequence[int], num_drafts: int, max_ngram: int = MAX_NGRAM, 
         length = 1
         while length < max_ngram and length <= i and tokens[i - length] == tokens[n - 1 - length]:
             length += 1
-        if length >= best_len:
-            best_len, best_end = length, i
+        score = (length, min(n - 1 - i, num_drafts))
+        if score >= best:
+            best, best_end = score, i
         i = tokens.index(last, i + 1)
-    if best_end < 0 or best_len < min_ngram:
+    if best_end < 0 or best[0] < min_ngram:
         return []
     return tokens[best_end + 1 : best_end + 1 + num_drafts]
 

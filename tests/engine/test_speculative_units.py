@@ -48,9 +48,12 @@ def test_nothing_to_propose():
     assert propose([1, 2, 9, 1, 2], 2, min_ngram=2) == [9, 1]
 
 
-def test_a_repeating_token_proposes_more_of_itself():
-    assert propose([3, 3, 3], 4) == [3]  # what followed the occurrence [3, 3] ending at index 1
-    assert propose([6, 1, 1, 1, 1], 2) == [1]
+def test_a_run_proposes_from_the_latest_occurrence_with_a_full_continuation():
+    assert propose([3, 3, 3], 4) == [3]  # the only 2-token match, [3, 3] ending at index 1, has one follower
+    assert propose([6, 1, 1, 1, 1, 1, 1], 2) == [1, 1]  # not [1]: the latest match overlaps the end
+    assert propose([8, 9, 8, 9, 8, 9, 8, 9], 3) == [8, 9, 8]
+    # Among equally long matches with enough followers, still the most recent.
+    assert propose([4, 5, 1, 2, 4, 5, 6, 7, 4, 5], 2) == [6, 7]
 
 
 def test_draft_limit_keeps_room_for_the_bonus_token():
