@@ -30,7 +30,7 @@ def test_a_longer_match_beats_a_more_recent_one():
 
 def test_the_most_recent_occurrence_wins_among_equally_long_matches():
     assert propose([4, 5, 1, 4, 5, 2, 4, 5], 1) == [2]
-    assert propose([4, 5, 1, 4, 5, 2, 4, 5], 1, max_ngram=1) == [2]
+    assert propose([4, 5, 1, 4, 5, 2, 4, 5], 1, max_ngram=1, min_ngram=1) == [2]
 
 
 def test_matches_are_at_most_max_ngram_long():
@@ -42,6 +42,8 @@ def test_matches_are_at_most_max_ngram_long():
 
 def test_nothing_to_propose():
     assert propose([1, 2, 3, 4], 3) == []  # the last token never occurred before
+    assert propose([1, 2, 3, 4, 5, 4], 3) == []  # only a one-token match: too weak a guess by default
+    assert propose([1, 2, 3, 4, 5, 4], 3, min_ngram=1) == [5, 4]
     assert propose([5], 3) == []
     assert propose([1, 2, 1], 0) == []
     assert propose([1, 2, 9, 1, 2], 2, min_ngram=3) == []  # only a 2-token match exists
