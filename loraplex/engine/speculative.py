@@ -29,13 +29,15 @@ MAX_NGRAM = 3
 MIN_NGRAM = 2
 
 
-def propose(tokens: Sequence[int], num_drafts: int, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
+def propose(
+    tokens: Sequence[int], num_drafts: int, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM
+) -> list[int]:
     """Up to `num_drafts` tokens that followed the most recent earlier occurrence of the longest suffix of
     `tokens` (at most `max_ngram`, at least `min_ngram` long); [] when no suffix occurred before."""
     n = len(tokens)
     if num_drafts <= 0 or n < 2:
         return []
-    tokens = list(tokens)  # list.index searches in C
+    tokens = tokens if isinstance(tokens, list) else list(tokens)  # list.index searches in C
     last = tokens[-1]
     best, best_end = (0, 0), -1  # (match length, tokens it would draft) of the best occurrence; its last index
     # Occurrences of the last token before the end, found left to right (the most recent wins a tie); the

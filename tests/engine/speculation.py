@@ -1,8 +1,11 @@
-"""What the speculative decoding tests share: a log of what each step verified and kept, and runs to compare."""
+"""What the speculative decoding tests share: a log of what each step verified and kept, runs to compare, and a
+chi-square test."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -61,3 +64,10 @@ def run_to_end(engine, jobs, late: int = 0, after_steps: int = 3) -> list:
     while engine.has_unfinished:
         step()
     return [finals[r.request_id] for r in requests]
+
+
+def chi_square_p_value(observed: list[int], expected: list[float]) -> float:
+    """P(X >= statistic) for X ~ chi-square with len - 1 degrees of freedom (cells merged by the caller)."""
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    half_dof = torch.tensor((len(observed) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(half_dof, torch.tensor(statistic / 2, dtype=torch.float64)))

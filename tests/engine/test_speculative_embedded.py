@@ -5,6 +5,7 @@ inside accepted drafts, preemption, grammars and streaming; and drafts were real
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import pathlib
 import re
@@ -53,8 +54,10 @@ def same_outputs(got, want) -> None:
         assert (g.token_ids, g.generated_text, g.finish_reason) == (w.token_ids, w.generated_text, w.finish_reason)
 
 
-@pytest.mark.parametrize("sampling", [{}, {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}],
-                         ids=["greedy", "seeded"])
+SEEDED = {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
+
+
+@pytest.mark.parametrize("sampling", [{}, SEEDED], ids=["greedy", "seeded"])
 def test_mixed_batch_with_adapters_matches_decoding_without_drafts(make_engine, embedded, adapters, sampling):
     """Copying requests on the base model and two adapters, a question beside them, and two requests arriving
     mid-way (their prompts prefilled beside verification rows; one asks for logprobs)."""
@@ -137,7 +140,8 @@ def test_preemption_with_drafts_in_flight(make_engine, embedded):
 
 def test_grammar_rows_are_masked_after_their_drafts(make_engine, embedded):
     """A JSON schema: row j of a request is masked with the grammar state after drafts[:j]."""
-    schema = '{"type": "object", "properties": {"city": {"type": "string"}, "sea": {"type": "string"}}, "required": ["city", "sea"]}'
+    schema = json.dumps({"type": "object", "properties": {"city": {"type": "string"}, "sea": {"type": "string"}},
+                         "required": ["city", "sea"]})
     text = 'Repeat this JSON exactly: {"city": "Lisbon by the river", "sea": "the wide Atlantic Ocean"}'
     ids = chat(embedded.tokenizer, text)
     params = SamplingParams(max_new_tokens=40, grammar=GrammarSpec("json_schema", schema))

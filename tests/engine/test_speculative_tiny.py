@@ -12,8 +12,7 @@ import torch
 
 from loraplex.engine.loading import with_generation_config
 from loraplex.params import SamplingParams
-from tests.engine.speculation import StepLog
-from tests.engine.test_speculative_units import chi_square_p_value
+from tests.engine.speculation import StepLog, chi_square_p_value
 from tests.helpers import engine_for, full_logits, load_ours, ours_from_hf, tiny_hf_model, tiny_mpt, tiny_t5
 from tests.models.conftest import one_thread  # noqa: F401 — the fixture, for usefixtures below
 
@@ -122,3 +121,27 @@ def test_sampled_tokens_follow_the_models_distribution_and_equal_those_without_d
     assert len(cells) >= 50 and sum(cells.values()) > 0.7, "the test needs cells to compare"
     assert chi_square_against(cells, with_drafts) > 1e-4
     assert chi_square_against(cells, sample(engine_for(ours, config), temperature=1.1)) < 1e-4
+
+
+def test_mllama_rows_past_the_prompt_see_their_images_with_drafts(tmp_path):
+    """Mllama: verification rows attend to their request's image states (text rows past the prompt see the
+    last image's), beside a text-only request; the same greedy tokens as without drafts."""
+    from tests.mllama_fixtures import pictures, request_inputs, tiny_pair
+
+    _, processor, model, config = tiny_pair(tmp_path)
+    texts = [("<|image|>w1 w2 w3 w1 w2 w3 w1 w2", [(30, 60)]), ("w4 w5 w6 w4 w5 w6 w4", []),
+             ("w7 <|image|>w8 w9 w7 w8 w9 <|image|>w7 w8", [(30, 30), (60, 30)])]
+    jobs = [request_inputs(processor, text, pictures(sizes, seed)) for seed, (text, sizes) in enumerate(texts)]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+
+    def run(engine) -> list[list[int]]:
+        requests = [engine.add_request(ids, params, images=images) for ids, images in jobs]
+        while engine.has_unfinished:
+            engine.step()
+        return [r.output_ids for r in requests]
+
+    want = run(engine_for(model, config))
+    engine = engine_for(model, config, speculative_tokens=4)
+    assert run(engine) == want
+    assert engine.spec_decode.accepted_tokens > 0
+    assert engine.scheduler.allocator.num_used == 0 and engine.scheduler.state_allocator.num_used == 0

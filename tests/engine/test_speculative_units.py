@@ -14,6 +14,7 @@ from loraplex.engine.speculative import draft_limit, propose
 from loraplex.engine.verification import accepted_prefix, sample_verified
 from loraplex.params import SamplingParams
 from loraplex.sampling import Sampler
+from tests.engine.speculation import chi_square_p_value
 
 # ---- proposer ---------------------------------------------------------------------------------------------
 
@@ -169,13 +170,6 @@ def test_verification_keeps_exactly_the_tokens_decoding_without_drafts_draws():
         assert [t.token_id for t in kept] == truth[: accepted + 1]
         kept_lengths.add(len(kept))
     assert kept_lengths >= {1, 2, 3, 4, 5}, "every acceptance length should occur"
-
-
-def chi_square_p_value(observed: list[int], expected: list[float]) -> float:
-    """P(X >= statistic) for X ~ chi-square with len - 1 degrees of freedom (cells merged by the caller)."""
-    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
-    dof = len(observed) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)))
 
 
 def test_verification_is_rejection_sampling_on_given_probabilities():
