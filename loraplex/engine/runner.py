@@ -40,8 +40,8 @@ STACKED_ROWS_PER_SEGMENT = {"cuda": 64, "cpu": 16}
 class StepResult:
     """What one scheduled request got from the step."""
 
-    # The tokens it got, in order: none while its prompt is still being prefilled in chunks, else one, or
-    # with drafts its accepted drafts and then the token its first rejected draft's row drew (verification.py).
+    # The tokens it got, in order: none while its prompt is still being prefilled in chunks, else one; with
+    # drafts, the accepted ones and then the token the row after them drew (verification.py).
     tokens: list[SampledToken] = field(default_factory=list)
     # Log-probabilities of the prompt tokens this step covered (first prompt token: None).
     prompt_logprobs: list[float | None] = field(default_factory=list)
