@@ -24,6 +24,13 @@ def _truthy(value: str) -> bool:
     return value.lower() in ("1", "true", "yes", "on")
 
 
+def _non_negative(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
+    return number
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-id", default=_env("MODEL_ID"), help="HF directory, cached repo id or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=_env("DTYPE"), choices=["float32", "bfloat16", "float16"])
@@ -47,6 +54,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=_env("PREFIX_CACHING", True, _truthy),
                    help="share computed KV blocks between requests with the same prompt prefix, adapter and images "
                         "(on by default; outputs are unchanged)")
+    p.add_argument("--speculative-tokens", type=_non_negative, default=_env("SPECULATIVE_TOKENS", 0, _non_negative),
+                   help="speculative decoding: up to N tokens per step guessed from each request's own text "
+                        "(n-gram lookup) and verified by the model; outputs unchanged (default 0: off)")
     p.add_argument("--adapter-source", default=_env("ADAPTER_SOURCE", "hub"), choices=["hub", "local"],
                    help="where adapter ids are looked up unless a request says otherwise")
     p.add_argument("--adapter-root", action="append", default=_env("ADAPTER_ROOT", None, lambda v: v.split(",")),
@@ -96,6 +106,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         chat_template=args.chat_template,
         quantize=args.quantize,
         prefix_caching=args.prefix_caching,
+        speculative_tokens=args.speculative_tokens,
     )
 
 

@@ -571,6 +571,9 @@ class EngineConfig:
     # Share computed KV blocks between requests with the same prefix, adapter and images (exact: a hit holds
     # the keys and values the request would compute itself).
     prefix_caching: bool = True
+    # Speculative decoding (LoRAX's --speculative-tokens): up to this many tokens guessed per request and step
+    # by n-gram lookup in its own tokens, verified by the model in one step; outputs unchanged. 0: off.
+    speculative_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,17 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from loraplex.config import EngineConfig, ModelConfig
+from loraplex.engine.grammar_masks import GrammarMasks
 from loraplex.engine.image_states import ImageStateLayout
 from loraplex.engine.images import ImageInputs
 from loraplex.engine.kv_cache import blocks_for
 from loraplex.engine.loading import LoadedModel, load_model
 from loraplex.engine.prefix_cache import root_key
-from loraplex.engine.request import FinishReason, Request
+from loraplex.engine.request import FinishReason, Request, RequestStatus
 from loraplex.engine.runner import ForcedTokens, ModelRunner, StepResult
 from loraplex.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from loraplex.engine.speculative import SpecDecodeCounters, draft_limit, propose
+from loraplex.engine.verification import SampledToken, drafts_within_grammar
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.layers import LoraSlots
 from loraplex.params import GrammarSpec, SamplingParams, TokenInfo
@@ -40,7 +43,8 @@ class RequestRefused(ValueError):
 
 @dataclass
 class RequestOutput:
-    """One request's news from one step: at most one new token, and the result when finished."""
+    """One request's news about one new token (a step with accepted drafts gives a request several, in
+    order), and the result when finished."""
 
     request_id: str
     token: TokenInfo | None
@@ -104,6 +108,7 @@ class Engine:
         self._streams: dict[str, _Stream] = {}
         self._next_id = 0
         self._grammars: Grammars | None = None  # structured output, made at the first request that asks
+        self.spec_decode = SpecDecodeCounters()
 
     @classmethod
     def from_config(cls, config: EngineConfig, show_progress: bool = False) -> "Engine":
@@ -281,6 +286,7 @@ class Engine:
         if self._grammars is None:
             config = self.model_config
             self._grammars = Grammars(self.tokenizer.hf, config.vocab_size, tuple(self.tokenizer.eos_token_ids))
+            self.runner.grammar_masks = GrammarMasks(config.vocab_size)
         try:
             return self._grammars.matcher(spec)
         except GrammarError as exc:
@@ -362,13 +368,41 @@ class Engine:
                 continue
             if result.prompt_logprobs:
                 request.prompt_logprobs = (request.prompt_logprobs or []) + result.prompt_logprobs
-            request.num_computed_tokens += item.num_new_tokens
+            rejected = 0
+            if item.num_drafts:
+                accepted = len(result.tokens) - 1
+                self.spec_decode.record(item.num_drafts, accepted)
+                rejected = item.num_drafts - accepted
+            # The last token kept is not computed yet; rejected drafts' keys and values stay in the cache past
+            # num_computed_tokens, where nothing reads them before they are overwritten.
+            request.num_computed_tokens += item.num_new_tokens - rejected
             request.states_ready = bool(request.num_states)  # made by its first step, if it has any
-            if result.token_id is not None:
-                outputs.append(self._append_token(request, result, now))
+            for token in result.tokens:  # one by one, as decoding without drafts: a stop drops those after it
+                output = self._append_token(request, token, now)
+                outputs.append(output)
+                if output.finished:
+                    break
+        self._propose_drafts(plan)
         return outputs
 
-    def _append_token(self, request: Request, result: StepResult, now: float) -> RequestOutput:
+    def _propose_drafts(self, plan: SchedulerOutput) -> None:
+        """Drafts for the next step of each request still decoding (engine/speculative.py)."""
+        most = self.config.speculative_tokens
+        if most <= 0:
+            return
+        for item in plan.scheduled:
+            request = item.request
+            if request.status is not RequestStatus.RUNNING or request.num_uncomputed_tokens != 1:
+                continue
+            limit = draft_limit(request.num_tokens, len(request.output_ids), request.params.max_new_tokens,
+                                self.max_total_tokens)
+            # An encoder-decoder's output often copies from the encoder's input: it is looked up too.
+            drafts = propose((request.encoder_ids or []) + request.prompt_ids + request.output_ids, min(most, limit))
+            if drafts and request.grammar is not None:
+                drafts = drafts_within_grammar(request.grammar, drafts)
+            request.draft_ids = drafts
+
+    def _append_token(self, request: Request, result: SampledToken, now: float) -> RequestOutput:
         token_id = result.token_id
         stream = self._streams[request.request_id]
         stream.first_token_time = stream.first_token_time or now

@@ -43,15 +43,13 @@ class PendingMasks:
     def __init__(self, rows: list[int], bitmask: torch.Tensor, future: Future) -> None:
         self.rows, self.bitmask, self.future = rows, bitmask, future
 
-    def apply(self, logits: torch.Tensor, keep: list[int] | None = None) -> None:
-        """Mask `logits` in place. `keep`: which of the started rows `logits` still holds, in order (rows
-        dropped since, for non-finite logits, are skipped); None: all of them."""
+    def apply(self, logits: torch.Tensor, rows: list[int | None]) -> None:
+        """Mask `logits` in place: `rows[k]` is the logits row of the k-th matcher given to `start` (None: that
+        row was dropped since, e.g. for non-finite logits)."""
         self.future.result()
         import llguidance.torch as lt
 
-        position = {row: j for j, row in enumerate(keep)} if keep is not None else None
-        pairs = [(j, position[row] if position is not None else row) for j, row in enumerate(self.rows)
-                 if position is None or row in position]
+        pairs = [(j, rows[k]) for j, k in enumerate(self.rows) if rows[k] is not None]
         if not pairs:
             return
         masks = self.bitmask[[j for j, _ in pairs]].to(logits.device)

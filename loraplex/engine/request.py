@@ -66,6 +66,9 @@ class Request:
     image_digest: bytes = b""
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
+    # Speculative decoding: tokens guessed to follow its last one (engine/speculative.py), verified by the
+    # model in its next step; the scheduler may cut them, and they are dropped when it is preempted.
+    draft_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.encoder_ids is not None and not self.num_states:

@@ -6,6 +6,7 @@ per-request state every step, so a request that finishes simply stops being sche
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -13,8 +14,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from loraplex.engine.grammar_masks import GrammarMasks, PendingMasks
 from loraplex.engine.images import ImageFeatures, VisionCounters, step_input_embeds
 from loraplex.engine.scheduler import ScheduledRequest
+from loraplex.engine.verification import SampledToken, apply_grammar_masks, sample_verified
 from loraplex.layers.attention import AttentionBackend, TorchAttentionBackend
 from loraplex.layers.forward_context import (
     AttentionMetadata,
@@ -27,7 +30,6 @@ from loraplex.layers.forward_context import (
 )
 from loraplex.lora.layers import LoraSlots
 from loraplex.sampling import Sampler, token_logprobs
-from loraplex.structured import apply_masks
 
 # Steps whose adapter segments have at most this many rows each use the stacked LoRA form (each
 # adapter's rows padded to the longest segment, two batched matmuls per module). On a GPU each small
@@ -40,9 +42,9 @@ STACKED_ROWS_PER_SEGMENT = {"cuda": 64, "cpu": 16}
 class StepResult:
     """What one scheduled request got from the step."""
 
-    token_id: int | None = None  # None while its prompt is still being prefilled in chunks
-    logprob: float | None = None
-    top_tokens: list[tuple[int, float]] = field(default_factory=list)
+    # The tokens it got, in order: none while its prompt is still being prefilled in chunks, else one; with
+    # drafts, the accepted ones and then the token the row after them drew (verification.py).
+    tokens: list[SampledToken] = field(default_factory=list)
     # Log-probabilities of the prompt tokens this step covered (first prompt token: None).
     prompt_logprobs: list[float | None] = field(default_factory=list)
     error: str | None = None  # set when this request's computation failed; the request fails alone
@@ -69,9 +71,10 @@ class ForcedTokens:
     bos: int | None = None
     eos: tuple[int, ...] = ()
 
-    def for_request(self, request) -> tuple[int, ...]:
-        """The tokens this request's next step is restricted to (empty: no restriction)."""
-        generated = len(request.output_ids)
+    def for_request(self, request, drafts_before: int = 0) -> tuple[int, ...]:
+        """The tokens this request's next step (or, for a verification row, the step `drafts_before` drafts
+        later) is restricted to (empty: no restriction)."""
+        generated = len(request.output_ids) + drafts_before
         if self.bos is not None and generated == 0:
             return (self.bos,)
         if self.eos and generated == request.params.max_new_tokens - 1:
@@ -140,6 +143,7 @@ class ModelRunner:
             else VisionCounters() if self.image_states else None
         )
         self.forced_tokens = forced_tokens or ForcedTokens()
+        self.grammar_masks: GrammarMasks | None = None  # set by the engine once a request has a grammar
 
     @property
     def takes_images(self) -> bool:
@@ -179,33 +183,44 @@ class ModelRunner:
             )
         ctx = ForwardContext(batch.metadata, self.kv_caches, self.backend, lora)
         results = [StepResult() for _ in scheduled]
+        sample_seqs = [i for i, s in enumerate(scheduled) if s.completes_sequence]
+        # Structured output: the sampled rows' masks are filled on llguidance's threads while the model runs.
+        masks = self.grammar_masks.start([scheduled[i].request.grammar for i in sample_seqs]) if self.grammar_masks else None
         with forward_context(ctx):
             hidden = self._forward(scheduled, batch, lora)
-            sample_seqs = [i for i, s in enumerate(scheduled) if s.completes_sequence]
             if sample_seqs:
-                rows = torch.tensor([starts[i + 1] - 1 for i in sample_seqs], device=self.device)
-                self._set_logits_rows(lora, [slots[i] for i in sample_seqs], [1] * len(sample_seqs))
-                logits = self.model.compute_logits(hidden[rows])
-                logits, sample_seqs = self._drop_non_finite(logits, sample_seqs, results)
-                requests = [scheduled[i].request for i in sample_seqs]
-                self._force_tokens(logits, requests)
-                apply_masks(logits, [r.grammar for r in requests])
-                out = self.sampler(
-                    logits,
-                    [r.params for r in requests],
-                    [r.prompt_ids for r in requests],
-                    [r.output_ids for r in requests],
-                    [r.seed for r in requests],
-                )
-                for j, i in enumerate(sample_seqs):
-                    results[i].token_id = out.token_ids[j]
-                    results[i].logprob = out.logprobs[j]
-                    results[i].top_tokens = out.top_tokens[j]
+                self._sample(scheduled, sample_seqs, hidden, starts, lora, results, masks)
             for i, item in enumerate(scheduled):
                 request = item.request
                 if request.params.prompt_logprobs and len(request.prompt_logprobs or []) < len(request.prompt_ids):
                     results[i].prompt_logprobs = self._prompt_logprobs(item, hidden[starts[i] : starts[i + 1]], lora)
         return results
+
+    def _sample(
+        self, scheduled: list[ScheduledRequest], seqs: list[int], hidden: torch.Tensor, starts: list[int],
+        lora: LoraRows | None, results: list[StepResult], masks: PendingMasks | None = None,
+    ) -> None:
+        """The next token of each sequence of `seqs`, from its last row; a sequence with k drafts has its last
+        k + 1 rows sampled and keeps the tokens verification accepts (verification.py)."""
+        counts = [scheduled[i].num_drafts + 1 for i in seqs]
+        rows = [row for i, c in zip(seqs, counts) for row in range(starts[i + 1] - c, starts[i + 1])]
+        self._set_logits_rows(lora, [scheduled[i].request.adapter_slot for i in seqs], counts)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        started = seqs
+        logits, seqs = self._drop_non_finite(logits, seqs, counts, results)
+        requests = [scheduled[i].request for i in seqs]
+        drafts = [r.draft_ids[: scheduled[i].num_drafts] for r, i in zip(requests, seqs)]
+        self._force_tokens(logits, requests, drafts)
+        if masks is not None:  # each sequence's first row: the masks started before the forward pass
+            first_rows = dict(zip(seqs, itertools.accumulate((len(d) + 1 for d in drafts), initial=0)))
+            masks.apply(logits, [first_rows.get(i) for i in started])
+        apply_grammar_masks(logits, [r.grammar for r in requests], drafts, first_rows_masked=masks is not None)
+        kept = sample_verified(
+            self.sampler, logits, [r.params for r in requests], [r.prompt_ids for r in requests],
+            [r.output_ids for r in requests], [r.seed for r in requests], drafts,
+        )
+        for i, tokens in zip(seqs, kept):
+            results[i].tokens = tokens
 
     def _forward(self, scheduled: list[ScheduledRequest], batch: "_Batch", lora: LoraRows | None) -> torch.Tensor:
         if self.encoder_decoder:
@@ -256,19 +271,22 @@ class ModelRunner:
         if self.image_features is not None:
             self.image_features.drop(request_id)
 
-    def _force_tokens(self, logits: torch.Tensor, requests: list) -> None:
-        """Rows whose next token the checkpoint forces: every other token's logit becomes -inf."""
-        for row, request in enumerate(requests):
-            tokens = self.forced_tokens.for_request(request)
+    def _force_tokens(self, logits: torch.Tensor, requests: list, drafts: list[list[int]]) -> None:
+        """Rows whose next token the checkpoint forces: every other token's logit becomes -inf. Request i has
+        len(drafts[i]) + 1 rows, row j as many generated tokens ahead."""
+        rows = ((request, j) for request, d in zip(requests, drafts) for j in range(len(d) + 1))
+        for row, (request, j) in enumerate(rows):
+            tokens = self.forced_tokens.for_request(request, j)
             if tokens:
                 logits[row] = float("-inf")
                 logits[row, list(tokens)] = 0.0
 
     @staticmethod
     def _drop_non_finite(
-        logits: torch.Tensor, seqs: list[int], results: list[StepResult]
+        logits: torch.Tensor, seqs: list[int], counts: list[int], results: list[StepResult]
     ) -> tuple[torch.Tensor, list[int]]:
-        """Fail the sequences whose logits hold NaN or inf (a diverging adapter); sample the rest."""
+        """Fail the sequences (`counts[i]` rows each) with a row of NaN or inf logits (a diverging adapter; a
+        draft's row too: its keys and values would poison the cache); sample the rest."""
         # A row's sum is finite when every logit is (NaN and inf propagate): one cheap reduction per step,
         # the full check only when it fails.
         if torch.isfinite(logits.float().sum(dim=1)).all():
@@ -276,11 +294,12 @@ class ModelRunner:
         finite = torch.isfinite(logits).all(dim=1).tolist()
         if all(finite):
             return logits, seqs
-        for ok, i in zip(finite, seqs):
-            if not ok:
-                results[i].error = "the model produced non-finite logits (NaN or inf) for this request"
-        keep = [j for j, ok in enumerate(finite) if ok]
-        return logits[keep], [seqs[j] for j in keep]
+        owner = [i for i, c in zip(seqs, counts) for _ in range(c)]
+        failed = {i for ok, i in zip(finite, owner) if not ok}
+        for i in failed:
+            results[i].error = "the model produced non-finite logits (NaN or inf) for this request"
+        keep = [row for row, i in enumerate(owner) if i not in failed]
+        return logits[keep], [i for i in seqs if i not in failed]
 
     def _lora_rows(self, slots: list[int | None], row_counts: list[int]) -> LoraRows | None:
         """Which rows use which adapter this step (None: no row does).
@@ -346,7 +365,8 @@ class ModelRunner:
             request = item.request
             start, end = request.num_computed_tokens, request.num_computed_tokens + item.num_new_tokens
             blocks = request.block_ids
-            input_ids += request.token_slice(start, end)
+            # Past its known tokens: the drafts it verifies (engine/verification.py).
+            input_ids += request.token_slice(start, min(end, request.num_tokens)) + request.draft_ids[: item.num_drafts]
             positions += range(start, end)
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)

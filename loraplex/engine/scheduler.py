@@ -8,6 +8,9 @@ Policy:
   running-request cap and the free KV blocks (less a small watermark) allow. A prompt longer than the
   budget is prefilled in chunks over several steps.
 - No admission in a step that had to preempt: the cache is full, admitting would only thrash.
+- Speculative decoding: once every running request has its token and waiting ones are admitted, a decoding
+  request with drafts (engine/speculative.py) is scheduled for them too, as far as its blocks and the free
+  blocks above the watermark allow. Drafts are cut first: never a reason to preempt or to turn a request away.
 - A request with cross-attention states (an encoder-decoder's encoder output, a vision model's image
   states) also holds KV blocks for them, taken at admission and freed with the rest; its states count
   against the prefill budget of the step that admits it (the encoder or image encoder that makes them runs
@@ -57,7 +60,12 @@ class ScheduledRequest:
     @property
     def completes_sequence(self) -> bool:
         """After this step every known token is computed, so the step samples a next token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens it verifies this step: those scheduled past its known tokens."""
+        return max(0, self.request.num_computed_tokens + self.num_new_tokens - self.request.num_tokens)
 
 
 @dataclass
@@ -157,6 +165,7 @@ class Scheduler:
 
         if not out.preempted:
             self._admit(out, budget)
+        self._add_drafts(out)
         out.fresh_blocks = self.allocator.take_fresh()
         if self.state_allocator is not self.allocator:
             out.fresh_state_blocks = self.state_allocator.take_fresh()
@@ -218,6 +227,23 @@ class Scheduler:
             self.allocator.register(request.block_ids[i], hashes[i])
         request.num_cached_blocks = full
 
+    def _add_drafts(self, out: SchedulerOutput) -> None:
+        """Decoding requests verify their drafts too, cut to the blocks they hold and the free ones above the
+        watermark. Blocks taken for drafts that the model rejects stay with the request: it grows into them."""
+        spare_slots = self.config.block_size * max(0, self.allocator.num_free - self.config.watermark_blocks)
+        for index, item in enumerate(out.scheduled):
+            request = item.request
+            if not request.draft_ids:
+                continue
+            assert item.num_new_tokens == request.num_uncomputed_tokens == 1, "only a decoding request drafts"
+            held_slots = len(request.block_ids) * self.config.block_size - request.num_tokens
+            del request.draft_ids[max(0, held_slots + spare_slots) :]
+            n = 1 + len(request.draft_ids)
+            needed = self._blocks_needed(request, n)
+            self._allocate(request, needed)
+            spare_slots -= needed * self.config.block_size
+            out.scheduled[index] = ScheduledRequest(request, n)
+
     def _take_slot(self, request: Request, out: SchedulerOutput) -> bool:
         adapter = request.adapter_id
         if not self.slots.may_admit(adapter):
@@ -268,6 +294,7 @@ class Scheduler:
         self._release_blocks(request)
         self._release_slot(request)
         request.num_computed_tokens = 0
+        request.draft_ids = []  # guessed for a step it no longer takes
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)

@@ -117,6 +117,7 @@ class _EngineGauges:
                                       value=counters.encoded_images)
             yield CounterMetricFamily("loraplex_vision_encoder_seconds", "Seconds spent in the vision tower and projector",
                                       value=counters.encode_seconds)
+        yield from _spec_decode_counters(self.engine.spec_decode)
         info = GaugeMetricFamily(
             "vllm:lora_requests_info", "Adapters of running and waiting requests",
             labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
@@ -128,6 +129,14 @@ class _EngineGauges:
 
     def describe(self):
         return []
+
+
+def _spec_decode_counters(counters):
+    """Speculative decoding's drafted and accepted tokens, under loraplex's names and vLLM's (`_total` added)."""
+    for prefix in ("loraplex_spec_decode_", "vllm:spec_decode_num_"):
+        yield CounterMetricFamily(prefix + "draft_tokens", "Draft tokens the model verified", value=counters.draft_tokens)
+        yield CounterMetricFamily(prefix + "accepted_tokens", "Draft tokens the model accepted",
+                                  value=counters.accepted_tokens)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

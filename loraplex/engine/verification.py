@@ -1,0 +1,110 @@
+"""Verifying a request's drafts so that its tokens stay exactly those of decoding without them.
+
+A request with k drafts d_0..d_{k-1} computes k + 1 rows in one step: its last token, then the drafts. Row j
+predicts the token after d_{j-1}; it is sampled as decoding without drafts would sample that step, had the
+drafts before it been generated: with `output_ids + drafts[:j]` (penalties, forced tokens, the grammar's
+mask) and the draw key of step `len(output_ids) + j` (see sampling.py: a row's draw is a pure function of
+its processed logits and that key). Draft j is accepted iff row j drew it; the first row that drew something
+else gives the step's last token (the "bonus" token), and the drafts after it are discarded. When every
+draft is accepted, row k's draw is the bonus token.
+
+So each token kept is the token decoding without drafts would have drawn at that step, with the same seed:
+the outputs are identical, greedy or sampled. For one draft, accepting it when the row's draw equals it is
+rejection sampling with a one-hot draft distribution: accepted with probability p(d), otherwise the row's
+draw, which then follows p with d removed and renormalised; the distribution of the kept token is p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from loraplex.params import SamplingParams
+from loraplex.sampling import Sampler
+from loraplex.structured import apply_masks
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float
+    top_tokens: list[tuple[int, float]] = field(default_factory=list)
+
+
+def accepted_prefix(drafts: Sequence[int], drawn: Sequence[int]) -> int:
+    """How many drafts are accepted: the length of the prefix where each row drew its draft."""
+    accepted = 0
+    while accepted < len(drafts) and drawn[accepted] == drafts[accepted]:
+        accepted += 1
+    return accepted
+
+
+def sample_verified(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    drafts: Sequence[Sequence[int]],
+) -> list[list[SampledToken]]:
+    """Per request, the tokens it keeps: its accepted drafts, then the bonus token, each reported (logprob,
+    top tokens) from its own row. `logits` holds len(drafts[i]) + 1 rows for request i, in request order,
+    already masked (forced tokens, grammar) row by row."""
+    owner = [i for i, d in enumerate(drafts) for _ in range(len(d) + 1)]
+    ahead = [j for d in drafts for j in range(len(d) + 1)]  # drafts before the row
+    out = sampler(
+        logits,
+        [params[i] for i in owner],
+        [prompt_ids[i] for i in owner],
+        [output_ids[i] if j == 0 else [*output_ids[i], *drafts[i][:j]] for i, j in zip(owner, ahead)],
+        [seeds[i] for i in owner],
+    )
+    kept: list[list[SampledToken]] = []
+    first = 0
+    for d in drafts:
+        keep = accepted_prefix(d, out.token_ids[first : first + len(d)]) + 1
+        rows = range(first, first + keep)
+        kept.append([SampledToken(out.token_ids[r], out.logprobs[r], out.top_tokens[r]) for r in rows])
+        first += len(d) + 1
+    return kept
+
+
+def apply_grammar_masks(
+    logits: torch.Tensor, matchers: Sequence, drafts: Sequence[Sequence[int]], first_rows_masked: bool = False
+) -> None:
+    """Mask each constrained request's rows (matcher None: unconstrained): row j with the grammar state after
+    drafts[:j], from a copy of the matcher advanced draft by draft (the request's own matcher only ever takes
+    kept tokens). The drafts must be ones the grammar takes (see `drafts_within_grammar`). `first_rows_masked`:
+    each request's first row is masked already (engine/grammar_masks.py, while the model ran)."""
+    firsts = [0]
+    for d in drafts:
+        firsts.append(firsts[-1] + len(d) + 1)
+    if not first_rows_masked:
+        first_rows = [None] * firsts[-1]
+        for i, matcher in enumerate(matchers):
+            first_rows[firsts[i]] = matcher
+        apply_masks(logits, first_rows)  # every request's first row, in one batch
+    for i, matcher in enumerate(matchers):
+        if matcher is None or not drafts[i]:
+            continue
+        ahead = matcher.deep_copy()
+        for j, token in enumerate(drafts[i], start=1):
+            assert ahead.consume_token(token), "a draft the grammar refuses: drafts_within_grammar cuts those"
+            row = firsts[i] + j
+            apply_masks(logits[row : row + 1], [ahead])
+
+
+def drafts_within_grammar(matcher, drafts: list[int]) -> list[int]:
+    """The longest prefix of `drafts` that the grammar takes without completing: a draft that completes it
+    would end the request, so it comes as the bonus token instead (and no row is masked from a finished state)."""
+    ahead = matcher.deep_copy()
+    taken = 0
+    for token in drafts[: matcher.validate_tokens(drafts)]:  # validate first: a refused token logs an error
+        ahead.consume_token(token)
+        if ahead.is_stopped():
+            break
+        taken += 1
+    return drafts[:taken]
