@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 from dataclasses import asdict, dataclass
 from time import perf_counter
@@ -138,6 +139,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per setting, taking turns; the best is kept")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--model-id", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--random-shape", choices=["135m", "8b"], default=None,
+                   help="a random-weight model of SmolLM2-135M's or Llama-3.1-8B's shape instead (GPU); prompts are a "
+                        "random 32-token segment said four times; EOS ignored. Only the 135M shape carries such a "
+                        "loop on (its tied head echoes its input): the 8B shape gives no drafts, only their cost")
+    p.add_argument("--layers", type=int, default=32, help="--random-shape 8b: layers")
     p.add_argument("--device", default=None)
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return p.parse_args(argv)
@@ -148,9 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = sorted({0, *(int(s) for s in args.speculative_tokens.split(",") if s.strip())})
-    loaded = load_model(EngineConfig(model_id=args.model_id, device=args.device))
-    workload = prompts(loaded.tokenizer, args.requests)
-    params = SamplingParams(max_new_tokens=args.new_tokens)
+    if args.random_shape:
+        from benchmarks.random_models import LLAMA_8B_VOCAB, llama_8b, smollm2_135m
+
+        device = torch.device(args.device or "cuda")
+        loaded = llama_8b(device, args.layers) if args.random_shape == "8b" else smollm2_135m(device)
+        rng = random.Random(0)
+        # A random segment said four times: drafts can only come from such repetition in a random model.
+        workload = [[rng.randrange(3, LLAMA_8B_VOCAB) for _ in range(32)] * 4 for _ in range(args.requests)]
+        params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    else:
+        loaded = load_model(EngineConfig(model_id=args.model_id, device=args.device))
+        workload = prompts(loaded.tokenizer, args.requests)
+        params = SamplingParams(max_new_tokens=args.new_tokens)
     for setting in settings:  # warm-up, excluded
         run(loaded, setting, workload[:1], SamplingParams(max_new_tokens=8))
     best: dict[int, tuple[Result, list[list[int]]]] = {}
