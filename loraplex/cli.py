@@ -43,6 +43,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=_env("QUANTIZE"), choices=QUANTIZE_CHOICES,
                    help="quantize the base model's linears with bitsandbytes: int8 (LLM.int8), nf4 or fp4 "
                         "(LoRA adapters run on top in the model's dtype)")
+    p.add_argument("--max-grammar-bytes", type=int, default=_env("MAX_GRAMMAR_BYTES", 64 * 1024, int),
+                   help="structured output: the largest JSON schema / regex / choice list a request may send")
+    p.add_argument("--grammar-compile-timeout-s", type=float, default=_env("GRAMMAR_COMPILE_TIMEOUT_S", 10.0, float),
+                   help="structured output: a grammar that takes longer to compile is refused")
     p.add_argument("--adapter-source", default=_env("ADAPTER_SOURCE", "hub"), choices=["hub", "local"],
                    help="where adapter ids are looked up unless a request says otherwise")
     p.add_argument("--adapter-root", action="append", default=_env("ADAPTER_ROOT", None, lambda v: v.split(",")),
@@ -91,6 +95,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         adapter_cycle_time_s=args.adapter_cycle_time_s,
         chat_template=args.chat_template,
         quantize=args.quantize,
+        max_grammar_bytes=args.max_grammar_bytes,
+        grammar_compile_timeout_s=args.grammar_compile_timeout_s,
     )
 
 

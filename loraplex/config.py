@@ -568,6 +568,10 @@ class EngineConfig:
     adapter_cycle_time_s: float = 2.0
     chat_template: str | None = None  # a Jinja chat template file, for checkpoints that ship none (or to override)
     quantize: str | None = None  # bitsandbytes | bitsandbytes-nf4 | bitsandbytes-fp4 (LoRAX's --quantize)
+    # Structured output: the largest grammar text (a JSON schema, regex or choice list) and the longest
+    # compile a request may ask for.
+    max_grammar_bytes: int = 64 * 1024
+    grammar_compile_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)
