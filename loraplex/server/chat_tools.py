@@ -24,7 +24,7 @@ def chat_prompt(state: ServerState, messages: list[dict[str, Any]], plan: ToolPl
     """The prompt for `messages` with the plan's tools: natively when the tokenizer's chat template renders
     tools, else in the default rendering (protocol/tools/prompt.py). A vision model's processor template
     (the one that places images) always gets the default rendering."""
-    offered = [t.model_dump(exclude_none=True) for t in plan.tools] or None
+    offered = [t.model_dump(exclude_none=True) for t in plan.offered] or None
     processor = state.core.processor
     if processor is not None and getattr(processor, "chat_template", None):
         return processor.apply_chat_template(

@@ -120,6 +120,7 @@ def bad(client, **fields) -> dict:
 @pytest.mark.parametrize("fields, param, words", [
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name", "Field required"),
     ({"tools": [function("f", "x", a={"type": "objectx"})]}, "tools[0].function.parameters", "objectx"),
+    ({"tools": [function("f", "x", a={"type": "objectx"})], "tool_choice": "none"}, "tools[0].function.parameters", "objectx"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools.0.function.parameters", "dictionary"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice", "'get_stock', which is not among"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", ""),

@@ -89,7 +89,9 @@ def test_bad_tool_choices_are_refused(tools, choice, words):
 def test_plans_by_choice():
     f, g = tool("f", SCHEMA), tool("g")
     plan = lambda **kw: ChatCompletionRequest(messages=HI, **kw).tool_plan()  # noqa: E731
-    assert plan().mode == "none" and plan(tools=[f]).mode == "auto" and plan(tools=[f], tool_choice="none").tools == []
+    assert plan().mode == "none" and plan(tools=[f]).mode == "auto"
+    unused = plan(tools=[f], tool_choice="none")
+    assert unused.offered == [] and len(unused.schemas()) == 1  # not offered, still checked
     named = plan(tools=[f, g], tool_choice={"type": "function", "function": {"name": "f"}})
     assert named.mode == "named" and named.grammar == JSON
     assert plan(tools=[f, g], tool_choice={"type": "function", "function": {"name": "g"}}).grammar == GrammarSpec("json_schema", '{"type": "object"}')

@@ -67,9 +67,14 @@ class ToolPlan:
     """What a chat request does with its tools."""
 
     mode: Literal["none", "auto", "required", "named"]
-    tools: list[ToolDefinition] = field(default_factory=list)  # offered in the prompt
+    tools: list[ToolDefinition] = field(default_factory=list)  # as the request gave them
     function: str | None = None  # the named function
     parallel: bool = True  # "required": more than one call allowed
+
+    @property
+    def offered(self) -> list[ToolDefinition]:
+        """The tools the prompt offers ("none": no tools, so the model is not led to call one)."""
+        return [] if self.mode == "none" else self.tools
 
     @property
     def calls_only(self) -> bool:
@@ -104,7 +109,7 @@ class ToolPlan:
         return TextParser()
 
     def schemas(self) -> list[tuple[str, GrammarSpec]]:
-        """Each offered function's arguments schema as a grammar, with its field: the server compiles them all, so
+        """Each given function's arguments schema as a grammar, with its field: the server compiles them all, so
         that a tool it could never constrain is refused whatever the choice."""
         return [
             (f"tools[{i}].function.parameters", GrammarSpec("json_schema", schema_text(t.function.arguments_schema)))
@@ -130,7 +135,7 @@ def plan_tools(tools: list[ToolDefinition] | None, choice: ToolChoice, parallel:
     if choice == "required" and not tools:
         raise Unsupported("tool_choice 'required' needs tools", "tool_choice")
     if choice == "none" or not tools:
-        return ToolPlan("none")
+        return ToolPlan("none", tools)
     if choice == "required":
         return ToolPlan("required", tools, parallel=parallel is not False)
     return ToolPlan("auto", tools)

@@ -48,19 +48,22 @@ def default_rendering(messages: list[dict[str, Any]], tools: list[dict[str, Any]
     """Messages (Hugging Face's shape, tool calls and tool results included) as plain messages any chat
     template accepts, the tools (if any) described in the system message."""
     out: list[dict[str, Any]] = []
+    after_result = False  # consecutive results share one user message
     for message in messages:
         if message["role"] == "tool":
             result = f"<tool_response>\n{message['content']}\n</tool_response>"
-            if out and out[-1].get("tool_results"):
+            if after_result:
                 out[-1]["content"] += "\n" + result
             else:
-                out.append({"role": "user", "content": result, "tool_results": True})
-        elif message.get("tool_calls"):
+                out.append({"role": "user", "content": result})
+            after_result = True
+            continue
+        after_result = False
+        if message.get("tool_calls"):
             parts = [message.get("content") or "", *(call_text(c) for c in message["tool_calls"])]
             out.append({"role": message["role"], "content": "\n".join(p for p in parts if p)})
         else:
             out.append(message)
-    out = [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
     if tools:
         section = tools_section(tools)
         if out and out[0]["role"] == "system" and isinstance(out[0]["content"], str):
