@@ -57,6 +57,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-tokens", type=_non_negative, default=_env("SPECULATIVE_TOKENS", 0, _non_negative),
                    help="speculative decoding: up to N tokens per step guessed from each request's own text "
                         "(n-gram lookup) and verified by the model; outputs unchanged (default 0: off)")
+    p.add_argument("--max-grammar-bytes", type=int, default=_env("MAX_GRAMMAR_BYTES", 64 * 1024, int),
+                   help="structured output: the largest JSON schema / regex / choice list a request may send")
+    p.add_argument("--grammar-compile-timeout-s", type=float, default=_env("GRAMMAR_COMPILE_TIMEOUT_S", 10.0, float),
+                   help="structured output: a grammar that takes longer to compile is refused")
     p.add_argument("--adapter-source", default=_env("ADAPTER_SOURCE", "hub"), choices=["hub", "local"],
                    help="where adapter ids are looked up unless a request says otherwise")
     p.add_argument("--adapter-root", action="append", default=_env("ADAPTER_ROOT", None, lambda v: v.split(",")),
@@ -107,6 +111,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         quantize=args.quantize,
         prefix_caching=args.prefix_caching,
         speculative_tokens=args.speculative_tokens,
+        max_grammar_bytes=args.max_grammar_bytes,
+        grammar_compile_timeout_s=args.grammar_compile_timeout_s,
     )
 
 

@@ -574,6 +574,10 @@ class EngineConfig:
     # Speculative decoding (LoRAX's --speculative-tokens): up to this many tokens guessed per request and step
     # by n-gram lookup in its own tokens, verified by the model in one step; outputs unchanged. 0: off.
     speculative_tokens: int = 0
+    # Structured output: the largest grammar text (a JSON schema, regex or choice list) and the longest
+    # compile a request may ask for.
+    max_grammar_bytes: int = 64 * 1024
+    grammar_compile_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ punctuation depending on what follows, which would make streamed pieces disagree
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -64,15 +65,29 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError(
                 "this model's tokenizer has no chat template, so chat messages cannot be turned into a prompt; "
                 "use the plain completion API with a prompt string instead"
             )
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.hf.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
         assert isinstance(text, str)
         return text
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows the `tools` it is given (many templates ignore them)."""
+        name = "loraplex_probe_tool"
+        probe = {"type": "function", "function": {"name": name, "description": "", "parameters": {"type": "object"}}}
+        try:
+            return name in self.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe])
+        except Exception:  # noqa: BLE001 — no template, or one that refuses tools: it does not render them
+            return False
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids

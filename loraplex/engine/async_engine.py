@@ -15,10 +15,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from loraplex.engine.engine import Engine, RequestOutput
+from loraplex.engine.engine import Engine, RequestOutput, RequestRefused
 from loraplex.engine.images import ImageInputs
 from loraplex.lora.adapter import LoraAdapter
-from loraplex.params import SamplingParams
+from loraplex.params import GrammarSpec, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,19 @@ class AsyncEngine:
             self._subscribers.pop(request_id, None)
             if not finished:
                 self._send(("abort", request_id))
+
+    async def compile_grammar(self, spec: GrammarSpec) -> None:
+        """Compile a request's grammar on a worker thread, before the request is queued, so that the engine
+        thread never waits on a compile. Raises RequestRefused when the grammar is unusable or not compiled
+        within the limit (Python cannot stop the compile: it finishes in its thread, bounded by llguidance's
+        own limits, and the engine remembers the grammar as refused)."""
+        limit = self.engine.config.grammar_compile_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.engine.compile_grammar, spec), limit)
+        except TimeoutError:
+            raise RequestRefused(
+                f"grammar refused: {spec.kind} did not compile within {limit:g} s (grammar compile timeout)"
+            ) from None
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))

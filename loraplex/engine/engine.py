@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -28,7 +29,7 @@ from loraplex.engine.verification import SampledToken, drafts_within_grammar
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.layers import LoraSlots
 from loraplex.params import GrammarSpec, SamplingParams, TokenInfo
-from loraplex.structured import GrammarError, Grammars, advance
+from loraplex.structured import GrammarError, GrammarLimits, Grammars, GrammarTooCostly, advance
 from loraplex.tokenizer import IncrementalDetokenizer, find_stop
 
 
@@ -109,6 +110,7 @@ class Engine:
         self._next_id = 0
         self._grammars: Grammars | None = None  # structured output, made at the first request that asks
         self.spec_decode = SpecDecodeCounters()
+        self._grammars_made = threading.Lock()  # compile_grammar is called from other threads too
 
     @classmethod
     def from_config(cls, config: EngineConfig, show_progress: bool = False) -> "Engine":
@@ -280,15 +282,30 @@ class Engine:
         )
         return replace(images, layout=layout)
 
+    def compile_grammar(self, spec: GrammarSpec) -> None:
+        """Compile `spec` into the grammar cache, from any thread: the server calls this off the engine thread
+        before it queues the request, so that `add_request` only copies the compiled grammar. Raises
+        RequestRefused naming the problem (unusable, or over a limit)."""
+        self._compiled_grammar(spec)
+
     def _grammar_matcher(self, spec: GrammarSpec):
+        return self._compiled_grammar(spec).deep_copy()
+
+    def _compiled_grammar(self, spec: GrammarSpec):
         if self.tokenizer is None:
             raise RequestRefused("structured output needs the model's tokenizer")
-        if self._grammars is None:
-            config = self.model_config
-            self._grammars = Grammars(self.tokenizer.hf, config.vocab_size, tuple(self.tokenizer.eos_token_ids))
-            self.runner.grammar_masks = GrammarMasks(config.vocab_size)
+        with self._grammars_made:
+            if self._grammars is None:
+                config = self.model_config
+                limits = GrammarLimits(self.config.max_grammar_bytes, self.config.grammar_compile_timeout_s)
+                self._grammars = Grammars(
+                    self.tokenizer.hf, config.vocab_size, tuple(self.tokenizer.eos_token_ids), limits
+                )
+                self.runner.grammar_masks = GrammarMasks(config.vocab_size)
         try:
-            return self._grammars.matcher(spec)
+            return self._grammars.compile(spec)
+        except GrammarTooCostly as exc:
+            raise RequestRefused(f"grammar refused: {exc}") from exc
         except GrammarError as exc:
             raise RequestRefused(f"invalid grammar: {exc}") from exc
 

@@ -7,7 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from loraplex.params import SamplingParams, TokenInfo
+from loraplex.params import GrammarSpec, SamplingParams, TokenInfo
+from loraplex.protocol.structured_output import response_format_spec
 
 
 class MergedAdapters(BaseModel):
@@ -46,6 +47,8 @@ class GenerateParameters(BaseModel):
     ignore_eos_token: bool = False
     apply_chat_template: bool = False
     watermark: bool = False  # accepted for TGI clients; has no effect
+    # Structured output, LoRAX's form: {"type": "json_object", "schema": {...}} (the schema optional: any JSON
+    # object), or {"type": "json_schema", "schema" | "json_schema": {...}}; raises Unsupported.
     response_format: dict | None = None
 
     @field_validator("stop")
@@ -54,6 +57,10 @@ class GenerateParameters(BaseModel):
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty")
         return stops
+
+    def output_grammar(self) -> GrammarSpec | None:
+        """The answer's constraint (Unsupported naming the field when response_format is not one we serve)."""
+        return response_format_spec(self.response_format, "parameters.response_format")
 
     def to_sampling_params(self, max_new_tokens: int, seed: int | None = None) -> SamplingParams:
         return SamplingParams(
@@ -72,6 +79,7 @@ class GenerateParameters(BaseModel):
             ignore_eos=self.ignore_eos_token,
             top_n_tokens=self.return_k_alternatives or 0,
             prompt_logprobs=self.decoder_input_details,
+            grammar=self.output_grammar(),
         )
 
 

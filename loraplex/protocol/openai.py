@@ -2,12 +2,15 @@
 
 Field ranges are checked here (pydantic: a bad value is a 400 naming the field), and so is what the
 server cannot serve yet (`check()` raises `Unsupported` naming the field; the routes answer 400).
+Structured output fields become one grammar (protocol/structured_output.py); tools, tool choice and tool
+messages are read with protocol/tools/.
 Checks that need the server's limits or tokenizer (stop count, prompt length, model name, n) live in
 server/openai_routes.py. Unknown fields are ignored, as vLLM does.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Literal
@@ -16,21 +19,23 @@ from pydantic import BaseModel, Field, field_validator, model_serializer
 
 from loraplex.engine.request import FinishReason
 from loraplex.params import SamplingParams, TokenInfo
+from loraplex.protocol.errors import Unsupported
+from loraplex.protocol.structured_output import (
+    Constraint,
+    guided_specs,
+    one_constraint,
+    response_format_spec,
+    structured_outputs_specs,
+)
+from loraplex.protocol.tools.definitions import ToolChoice, ToolDefinition, ToolPlan, plan_tools
+from loraplex.protocol.tools.parsers import Delta, ToolCall
 
-FinishReasonName = Literal["stop", "length"]
+FinishReasonName = Literal["stop", "length", "tool_calls"]
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
 def logprob(value: float | None) -> float:
     return MIN_LOGPROB if value is None else max(value, MIN_LOGPROB)
-
-
-class Unsupported(ValueError):
-    """A field value this server refuses; `param` names the field (the routes answer 400)."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def finish_reason_name(reason: FinishReason | None) -> FinishReasonName:
@@ -70,6 +75,12 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     adapter_source: str | None = None  # accepted; served with adapters (the multi-LoRA issue)
     api_token: str | None = None
+    # Structured output: OpenAI's response_format, and vLLM's fields (at most one constraint in all).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -95,6 +106,20 @@ class SamplingFields(BaseModel):
         """Refuse, by name, what the schema accepts but the server cannot serve yet."""
         if self.logit_bias:
             raise Unsupported("logit_bias is not supported yet", "logit_bias")
+        self.output_constraint()
+
+    def output_constraints(self) -> list[Constraint]:
+        """Every constraint on the answer the request asks for, named by its field."""
+        fmt = response_format_spec(self.response_format)
+        return [
+            *([("response_format", fmt)] if fmt is not None else []),
+            *guided_specs(self.guided_json, self.guided_regex, self.guided_choice),
+            *structured_outputs_specs(self.structured_outputs),
+        ]
+
+    def output_constraint(self) -> Constraint | None:
+        """The answer's one constraint (Unsupported when there are several)."""
+        return one_constraint(self.output_constraints())
 
     def to_sampling_params(self, max_tokens: int, top_n: int = 0, prompt_logprobs: bool = False) -> SamplingParams:
         """OpenAI semantics: temperature 0 is greedy (other warpers off); otherwise sampling (default 1.0)."""
@@ -104,6 +129,7 @@ class SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty or 1.0, frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0, ignore_eos=self.ignore_eos, top_n_tokens=top_n,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            grammar=constraint[1] if (constraint := self.output_constraint()) else None,
         )
         temperature = 1.0 if self.temperature is None else self.temperature
         if temperature == 0.0:
@@ -165,21 +191,58 @@ class ContentPart(BaseModel, extra="allow"):
     text: str | None = None
 
 
+class FunctionCallIn(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallIn(BaseModel):
+    """A call an earlier assistant message made."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+    def for_template(self) -> dict[str, Any]:
+        """Hugging Face's shape: templates expect the arguments as an object (kept as text when not JSON)."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(BaseModel, extra="allow"):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
 
     def for_template(self, i: int) -> dict[str, Any]:
         """{"role", "content"} for the chat template: text parts joined by newlines, as vLLM does; a
-        content list with images keeps its parts (the server turns image_url parts into images)."""
-        if self.role in ("tool", "function"):
-            raise Unsupported(f"role {self.role!r} is not supported yet (no tool calling)", f"messages[{i}].role")
+        content list with images keeps its parts (the server turns image_url parts into images). Tool
+        calls and tool results in Hugging Face's shape (protocol/tools/prompt.py renders them for templates
+        that do not take them)."""
+        if self.role == "function":
+            raise Unsupported("role 'function' (deprecated by OpenAI) is not supported; use 'tool'", f"messages[{i}].role")
+        if self.tool_calls and self.role != "assistant":
+            raise Unsupported("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
+        if self.role == "tool":
+            if not self.tool_call_id:
+                raise Unsupported("a tool message needs tool_call_id (the call it answers)", f"messages[{i}].tool_call_id")
+            return {"role": "tool", "content": self._text(i), "tool_call_id": self.tool_call_id}
         role = "system" if self.role == "developer" else self.role
-        if self.content is None or isinstance(self.content, str):
-            return {"role": role, "content": self.content or ""}
-        if any(part.type == "image_url" for part in self.content):
+        if isinstance(self.content, list) and any(part.type == "image_url" for part in self.content):
             return {"role": role, "content": [part.model_dump(exclude_none=True) for part in self.content]}
+        message = {"role": role, "content": self._text(i)}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        return message
+
+    def _text(self, i: int) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         texts = []
         for j, part in enumerate(self.content):
             where = f"messages[{i}].content[{j}]"
@@ -188,7 +251,7 @@ class ChatMessage(BaseModel, extra="allow"):
             if part.type != "text" or part.text is None:
                 raise Unsupported(f"content parts of type {part.type!r} are not supported (text, image_url)", where)
             texts.append(part.text)
-        return {"role": role, "content": "\n".join(texts)}
+        return "\n".join(texts)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -196,28 +259,31 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None  # OpenAI's deprecated form of tools: refused
     function_call: Any = None
 
     def check(self) -> None:
         super().check()
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise Unsupported(f"{name} are not supported yet (no tool calling)", name)
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise Unsupported(f"{name} is not supported yet (no tool calling)", name)
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise Unsupported(f"response_format {kind!r} is not supported yet", "response_format")
+        if self.functions:
+            raise Unsupported("functions (deprecated by OpenAI) are not supported; use tools", "functions")
+        if self.function_call not in (None, "none"):
+            raise Unsupported("function_call (deprecated by OpenAI) is not supported; use tool_choice", "function_call")
         if self.top_logprobs and not self.logprobs:
             raise Unsupported("top_logprobs needs logprobs: true", "top_logprobs")
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template(i) for i, m in enumerate(self.messages)]
+
+    def tool_plan(self) -> ToolPlan:
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def output_constraints(self) -> list[Constraint]:
+        """A tool choice that constrains the answer ("required", a named function) counts as a constraint."""
+        tools = self.tool_plan().grammar
+        return [*super().output_constraints(), *([("tool_choice", tools)] if tools is not None else [])]
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -314,9 +380,33 @@ class ChoiceLogprobs(BaseModel):
         ])
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    @classmethod
+    def of(cls, call: ToolCall) -> ToolCallOut:
+        return cls(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_when_made(self, handler) -> dict[str, Any]:
+        """`tool_calls` only when the answer made calls (as OpenAI answers)."""
+        data = handler(self)
+        if self.tool_calls is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -335,14 +425,44 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A call's first delta carries its index, id, type and name (arguments ""); later ones argument pieces."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer
-    def _only_set(self) -> dict[str, str]:
+    def _only_set(self) -> dict[str, Any]:
         """A delta carries only what changed: `{}` on the final chunk."""
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        data: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        if self.tool_calls is not None:
+            data["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+        return data
+
+    @classmethod
+    def of(cls, delta: Delta) -> DeltaMessage:
+        """A parsed piece of an answer (protocol/tools/parsers.py) as a chunk's delta."""
+        if delta.index is None:
+            return cls(content=delta.content)
+        if delta.id is not None:
+            call = ToolCallDelta(index=delta.index, id=delta.id, type="function",
+                                 function=FunctionCallDelta(name=delta.name, arguments=""))
+        else:
+            call = ToolCallDelta(index=delta.index, function=FunctionCallDelta(arguments=delta.arguments))
+        return cls(tool_calls=[call])
 
 
 class ChatStreamChoice(BaseModel):

@@ -30,7 +30,9 @@ from loraplex.protocol.native import (
 )
 from loraplex.engine.images import ImageInputs
 from loraplex.multimodal import split_markdown_images
+from loraplex.protocol.errors import Unsupported
 from loraplex.server.errors import BadRequest, native_error
+from loraplex.server.grammars import compile_grammars
 from loraplex.server.images import encode_prompt, image_placeholder
 from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences
 from loraplex.server.state import GenerationFailed, ServerState, adapter_header, get_state, run_to_end
@@ -58,8 +60,10 @@ async def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
     limits = state.config
     if p.adapter_id and p.merged_adapters:
         raise BadRequest("give adapter_id or merged_adapters, not both", "merged_adapters")
-    if p.response_format is not None:
-        raise BadRequest("response_format is not supported yet", "response_format")
+    try:
+        grammar = p.output_grammar()
+    except Unsupported as exc:
+        raise BadRequest(str(exc), exc.param) from exc
     check_stop_sequences(state, len(p.stop))
     best_of = p.best_of or 1
     if best_of > limits.max_best_of:
@@ -86,6 +90,7 @@ async def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
     max_new = p.max_new_tokens or limits.default_max_new_tokens
     check_prompt_and_budget(state, prompt_ids, max_new, "inputs", "max_new_tokens")
     prefix = body.inputs if p.return_full_text else ""
+    await compile_grammars(state, [("parameters.response_format", grammar) if grammar else None])
     params = p.to_sampling_params(max_new)
     adapter = await state.adapter(p.adapter_id, p.adapter_source, merge_spec(p.merged_adapters))
     return Prepared(prompt_ids, params, prefix, time.perf_counter() - started, adapter, images)

@@ -23,7 +23,6 @@ from loraplex.engine.images import ImageInputs
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.params import SamplingParams, TokenInfo
 from loraplex.protocol.openai import (
-    AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -39,12 +38,14 @@ from loraplex.protocol.openai import (
     ModelCard,
     ModelList,
     SamplingFields,
-    Unsupported,
     UsageInfo,
     finish_reason_name,
 )
+from loraplex.protocol.errors import Unsupported
 from loraplex.multimodal import split_chat_images
+from loraplex.server.chat_tools import AnswerStream, ToolAnswers, chat_prompt
 from loraplex.server.errors import BadRequest, ModelNotFound
+from loraplex.server.grammars import compile_grammars
 from loraplex.server.images import encode_prompt
 from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences
 from loraplex.server.state import (
@@ -148,7 +149,7 @@ def fan_out(state: ServerState, params: SamplingParams, count: int, prompts: int
     return [replace(params, seed=(params.seed + i) % 2**64) for i in range(count)]
 
 
-def prepare_completion(state: ServerState, body: CompletionRequest) -> list[Job]:
+async def prepare_completion(state: ServerState, body: CompletionRequest) -> list[Job]:
     refusing(body.check)
     prompts = body.prompts()
     if not prompts:
@@ -176,11 +177,14 @@ def prepare_completion(state: ServerState, body: CompletionRequest) -> list[Job]
         check_prompt_and_budget(state, ids, max_tokens, "prompt", "max_tokens")
         for k, sp in enumerate(fan_out(state, params, runs, len(prompts))):
             jobs.append(Job(p * runs + k, p, ids, sp, text if body.echo else ""))
+    await compile_grammars(state, [body.output_constraint()])
     return jobs
 
 
-async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> list[Job]:
+async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[Job], ToolAnswers]:
+    """The request's jobs, and how to read their answers (text, or tool calls)."""
     refusing(body.check)
+    plan = refusing(body.tool_plan)
     messages = refusing(body.template_messages)
     urls: list[str] = []
     if any(isinstance(m["content"], list) for m in messages):  # image parts: {"type": "image"} + their URLs
@@ -188,7 +192,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> list[
         if not state.core.takes_images:
             raise BadRequest(f"model {state.model_id!r} does not take images (it is a text-only model)", "messages")
     try:
-        prompt = chat_template(state)(messages)
+        prompt = chat_prompt(state, messages, plan)
     except Exception as exc:  # no template, or the template refused these messages
         raise BadRequest(f"messages cannot be turned into a prompt: {exc}", "messages") from exc
     ids, images = await encode_prompt(state, prompt, urls, False, "messages")
@@ -197,15 +201,10 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> list[
     check_prompt_and_budget(state, ids, max_tokens, "messages", "max_tokens")
     top_n = (body.top_logprobs or 0) if body.logprobs else 0
     params = sampling_params(state, body, max_tokens, top_n)
-    return [Job(k, 0, ids, sp, images=images) for k, sp in enumerate(fan_out(state, params, body.choices_per_prompt, 1))]
-
-
-def chat_template(state: ServerState):
-    """The model's chat template: a vision model's processor carries the one that places images."""
-    processor = state.core.processor
-    if processor is not None and getattr(processor, "chat_template", None):
-        return lambda messages: processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return state.tokenizer.apply_chat_template
+    # Every tool's schema is compiled too, whatever the choice: a tool that could never be constrained is refused.
+    await compile_grammars(state, [body.output_constraint(), *plan.schemas()])
+    jobs = [Job(k, 0, ids, sp, images=images) for k, sp in enumerate(fan_out(state, params, body.choices_per_prompt, 1))]
+    return jobs, ToolAnswers.of(state, plan)
 
 
 # ---- running: n engine requests at once ----------------------------------------------------------
@@ -315,11 +314,12 @@ def sse(payload: dict) -> str:
 
 @dataclass
 class Renderer:
-    """How one API spells its chunks; `content(job, text, tokens-or-None)`, `finish(job, reason)`."""
+    """How one API spells its chunks: `content(job, text, tokens-or-None)` and `finish(job, reason)` give the
+    chunks for a piece of a choice's text (none while a tool call is being read) and for its end."""
 
     opening: Callable[[Job], dict | None]
-    content: Callable[[Job, str, list[TokenInfo] | None], dict]
-    finish: Callable[[Job, str], dict]
+    content: Callable[[Job, str, list[TokenInfo] | None], list[dict]]
+    finish: Callable[[Job, str], list[dict]]
     usage: Callable[[UsageInfo], dict]
 
 
@@ -343,10 +343,12 @@ async def stream_events(
             delta = choice.advance(out)
             if delta or (out.finished and logprobs and choice.pending):
                 tokens = choice.take()  # the tokens that made this text
-                yield chunk(render.content(job, delta, tokens if logprobs else None))
+                for payload in render.content(job, delta, tokens if logprobs else None):
+                    yield chunk(payload)
             if out.finished:
                 finals.append(out)
-                yield chunk(render.finish(job, finish_reason_name(out.finish_reason)))
+                for payload in render.finish(job, finish_reason_name(out.finish_reason)):
+                    yield chunk(payload)
         if include_usage:
             yield sse(render.usage(usage(jobs, finals)))
     except GenerationFailed as exc:
@@ -362,7 +364,7 @@ async def stream_events(
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request):
     state = get_state(request)
-    jobs = prepare_completion(state, body)
+    jobs = await prepare_completion(state, body)
     served = await resolve_model(state, body.model)
     model = served.name
     rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.choices_per_prompt
@@ -380,9 +382,9 @@ async def completions(body: CompletionRequest, request: Request):
 
         render = Renderer(
             opening=lambda job: content(job, job.echo, None) if job.echo else None,
-            content=content,
-            finish=lambda job, reason: CompletionChunk(id=rid, created=created, model=model, choices=[
-                CompletionChoice(index=job.index, text="", finish_reason=reason)]).model_dump(),
+            content=lambda job, text, tokens: [content(job, text, tokens)],
+            finish=lambda job, reason: [CompletionChunk(id=rid, created=created, model=model, choices=[
+                CompletionChoice(index=job.index, text="", finish_reason=reason)]).model_dump()],
             usage=lambda u: CompletionChunk(id=rid, created=created, model=model, choices=[], usage=u).model_dump(),
         )
         events = stream_events(jobs, started, body.stops, body.logprobs is not None, body.include_usage, render)
@@ -410,39 +412,49 @@ async def completions(body: CompletionRequest, request: Request):
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = get_state(request)
-    jobs = await prepare_chat(state, body)
+    jobs, answers = await prepare_chat(state, body)
     served = await resolve_model(state, body.model)
     model = served.name
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         started = await start_all(state, jobs, served.adapter)
+        streams: dict[int, AnswerStream] = {job.index: answers.stream() for job in jobs}
 
         def chunk(job: Job, delta: DeltaMessage, **fields) -> dict:
             choice = ChatStreamChoice(index=job.index, delta=delta, **fields)
             return ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]).model_dump()
 
-        def content(job: Job, text: str, tokens: list[TokenInfo] | None) -> dict:
-            logprobs = None if tokens is None else ChoiceLogprobs.of(tokens, state.tokenizer.token_text)
-            return chunk(job, DeltaMessage(content=text), logprobs=logprobs)
+        def content(job: Job, text: str, tokens: list[TokenInfo] | None) -> list[dict]:
+            deltas = streams[job.index].content(text)
+            if tokens is None:
+                return [chunk(job, d) for d in deltas]
+            # The tokens' logprobs ride on the first chunk they made (an empty delta while a call is read).
+            logprobs = ChoiceLogprobs.of(tokens, state.tokenizer.token_text)
+            first, *rest = deltas or [DeltaMessage()]
+            return [chunk(job, first, logprobs=logprobs), *(chunk(job, d) for d in rest)]
+
+        def finish(job: Job, reason: str) -> list[dict]:
+            deltas, reason = streams[job.index].finish(reason)
+            return [*(chunk(job, d) for d in deltas), chunk(job, DeltaMessage(), finish_reason=reason)]
 
         render = Renderer(
-            opening=lambda job: chunk(job, DeltaMessage(role="assistant", content="")),
+            # An answer constrained to tool calls has no content, not even an empty one.
+            opening=lambda job: chunk(job, DeltaMessage(role="assistant", content=None if answers.plan.calls_only else "")),
             content=content,
-            finish=lambda job, reason: chunk(job, DeltaMessage(), finish_reason=reason),
+            finish=finish,
             usage=lambda u: ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=u).model_dump(),
         )
         events = stream_events(jobs, started, body.stops, bool(body.logprobs), body.include_usage, render)
         return StreamingResponse(events, media_type="text/event-stream", headers=adapter_header(served.adapter))
 
     results = await run_all(state, jobs, served.adapter)
-    choices = [
-        ChatChoice(
-            index=job.index, message=AssistantMessage(content=r.final.generated_text or ""),
+    choices = []
+    for job, r in zip(jobs, results):
+        message, reason = answers.message(r.final.generated_text or "", r.final.finish_reason)
+        choices.append(ChatChoice(
+            index=job.index, message=message, finish_reason=reason,
             logprobs=ChoiceLogprobs.of(r.tokens, state.tokenizer.token_text) if body.logprobs else None,
-            finish_reason=finish_reason_name(r.final.finish_reason),
-        )
-        for job, r in zip(jobs, results)
-    ]
+        ))
     response = ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
                                       usage=usage(jobs, [r.final for r in results]))
     return JSONResponse(response.model_dump(), headers=adapter_header(served.adapter))

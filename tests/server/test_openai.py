@@ -204,8 +204,8 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw
 
 
 @pytest.mark.parametrize("request_fields,named", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),  # OpenAI's deprecated form of tools
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, IMAGE]}]},
      "does not take images"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "max stop sequences"),
@@ -280,8 +280,8 @@ def _jobs(n: int) -> list[Job]:
 
 
 def _render() -> Renderer:
-    return Renderer(opening=lambda job: None, content=lambda job, text, tokens: {"i": job.index, "text": text},
-                    finish=lambda job, reason: {"i": job.index, "finish": reason},
+    return Renderer(opening=lambda job: None, content=lambda job, text, tokens: [{"i": job.index, "text": text}],
+                    finish=lambda job, reason: [{"i": job.index, "finish": reason}],
                     usage=lambda u: {"usage": u.model_dump()})
 
 
