@@ -38,6 +38,9 @@ class SamplingParams:
     prompt_logprobs: bool = False
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: tokens outside it are never sampled
+    # Prefix caching: only requests with the same salt share cached KV blocks (vLLM's cache_salt: a tenant's own
+    # cache space, so no other tenant can learn from timing which prompts it sent). None: the shared space.
+    cache_salt: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -44,7 +44,7 @@ class AsyncEngine:
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-        adapter: LoraAdapter | None = None, images: ImageInputs | None = None, cache_salt: str | None = None,
+        adapter: LoraAdapter | None = None, images: ImageInputs | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per generated token; the last has finished=True.
 
@@ -54,7 +54,7 @@ class AsyncEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
         self._subscribers[request_id] = subscriber
-        self._send(("add", request_id, prompt_ids, params, adapter, images, cache_salt))
+        self._send(("add", request_id, prompt_ids, params, adapter, images))
         finished = False
         try:
             while True:
@@ -114,9 +114,9 @@ class AsyncEngine:
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
-            _, request_id, prompt_ids, params, adapter, images, cache_salt = command
+            _, request_id, prompt_ids, params, adapter, images = command
             try:
-                self.engine.add_request(prompt_ids, params, request_id, adapter, images, cache_salt)
+                self.engine.add_request(prompt_ids, params, request_id, adapter, images)
             except Exception as error:  # refused: only this caller hears of it
                 self._deliver(request_id, error)
         else:

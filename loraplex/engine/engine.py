@@ -147,11 +147,10 @@ class Engine:
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-        adapter: LoraAdapter | None = None, images: ImageInputs | None = None, cache_salt: str | None = None,
+        adapter: LoraAdapter | None = None, images: ImageInputs | None = None,
     ) -> Request:
         """Queue a request; `adapter` (loaded, e.g. by an AdapterStore) or None for the base model;
-        `images` for a model that takes them (already expanded into placeholder tokens in the prompt);
-        `cache_salt`: only requests with the same salt share cached prefix blocks (a tenant's own key)."""
+        `images` for a model that takes them (already expanded into placeholder tokens in the prompt)."""
         if not prompt_ids:
             raise RequestRefused("the prompt is empty")
         if images is not None:
@@ -191,7 +190,7 @@ class Engine:
             self._use_adapter(adapter)
             request.adapter_id = adapter.adapter_id
         if self.config.prefix_caching:
-            request.cache_key = root_key(adapter.fingerprint if adapter else None, cache_salt, encoder_ids)
+            request.cache_key = root_key(adapter.fingerprint if adapter else None, params.cache_salt, encoder_ids)
             request.image_digest = images.digest() if images is not None else b""
         detok = (
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)

@@ -50,6 +50,8 @@ class GenerateParameters(BaseModel):
     # Structured output, LoRAX's form: {"type": "json_object", "schema": {...}} (the schema optional: any JSON
     # object), or {"type": "json_schema", "schema" | "json_schema": {...}}; raises Unsupported.
     response_format: dict | None = None
+    # Prefix caching: requests share cached prompt blocks only with the same salt (vLLM's cache_salt).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -80,6 +82,7 @@ class GenerateParameters(BaseModel):
             top_n_tokens=self.return_k_alternatives or 0,
             prompt_logprobs=self.decoder_input_details,
             grammar=self.output_grammar(),
+            cache_salt=self.cache_salt,
         )
 
 

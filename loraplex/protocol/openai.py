@@ -81,6 +81,8 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # Prefix caching: requests share cached prompt blocks only with the same salt (vLLM's field).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -129,7 +131,7 @@ class SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty or 1.0, frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0, ignore_eos=self.ignore_eos, top_n_tokens=top_n,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            grammar=constraint[1] if (constraint := self.output_constraint()) else None,
+            grammar=constraint[1] if (constraint := self.output_constraint()) else None, cache_salt=self.cache_salt,
         )
         temperature = 1.0 if self.temperature is None else self.temperature
         if temperature == 0.0:

@@ -60,7 +60,7 @@ def test_shared_system_prompt_over_adapters_gives_the_same_outputs_with_hits(mak
 def hits_of(engine, prompt, adapter=None, salt=None) -> int:
     """Prompt tokens one request found cached."""
     before = engine.scheduler.prefix_hits
-    request = engine.add_request(prompt, PARAMS, adapter=adapter, cache_salt=salt)
+    request = engine.add_request(prompt, replace(PARAMS, cache_salt=salt), adapter=adapter)
     while engine.has_unfinished:
         engine.step()
     assert request.finished
