@@ -274,7 +274,8 @@ def live_server(*args: str, ready_timeout: float = 180) -> Iterator[str]:
 def image_model_logits(engine, token_ids: list[int], images=None) -> torch.Tensor:
     """Logits at every prompt position of one request with `images` (Mllama: image states), through the
     engine's runner in one prefill step (the image states are made, stored and read in it)."""
-    request = engine.add_request(list(token_ids), SamplingParams(max_new_tokens=1), images=images)
+    # (Asking for prompt logprobs keeps prefix caching out: every position is computed in this one step.)
+    request = engine.add_request(list(token_ids), SamplingParams(max_new_tokens=1, prompt_logprobs=True), images=images)
     scheduled = engine.scheduler.schedule().scheduled
     assert [s.request for s in scheduled] == [request] and scheduled[0].num_new_tokens == len(token_ids)
     runner = engine.runner

@@ -24,8 +24,8 @@ from loraplex.engine.prefix_cache import root_key
 from loraplex.engine.request import FinishReason, Request, RequestStatus
 from loraplex.engine.runner import ForcedTokens, ModelRunner, StepResult
 from loraplex.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from loraplex.engine.speculative import SpecDecodeCounters, draft_limit, propose
-from loraplex.engine.verification import SampledToken, drafts_within_grammar
+from loraplex.engine.speculative import SpecDecodeCounters, drafts_for
+from loraplex.engine.verification import SampledToken
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.layers import LoraSlots
 from loraplex.params import GrammarSpec, SamplingParams, TokenInfo
@@ -408,15 +408,8 @@ class Engine:
             return
         for item in plan.scheduled:
             request = item.request
-            if request.status is not RequestStatus.RUNNING or request.num_uncomputed_tokens != 1:
-                continue
-            limit = draft_limit(request.num_tokens, len(request.output_ids), request.params.max_new_tokens,
-                                self.max_total_tokens)
-            # An encoder-decoder's output often copies from the encoder's input: it is looked up too.
-            drafts = propose((request.encoder_ids or []) + request.prompt_ids + request.output_ids, min(most, limit))
-            if drafts and request.grammar is not None:
-                drafts = drafts_within_grammar(request.grammar, drafts)
-            request.draft_ids = drafts
+            if request.status is RequestStatus.RUNNING and request.num_uncomputed_tokens == 1:
+                request.draft_ids = drafts_for(request, most, self.max_total_tokens)
 
     def _append_token(self, request: Request, result: SampledToken, now: float) -> RequestOutput:
         token_id = result.token_id

@@ -62,6 +62,30 @@ def draft_limit(num_tokens: int, num_generated: int, max_new_tokens: int, max_to
     return max(0, min(max_new_tokens - num_generated, max_total_tokens - num_tokens) - 1)
 
 
+def drafts_for(request, most: int, max_total_tokens: int) -> list[int]:
+    """The drafts of a decoding request (an engine.request.Request) for its next step: at most `most`, within its
+    limits, from its own tokens (an encoder-decoder's output often copies its encoder's input: that is searched
+    too), cut to what its grammar takes."""
+    limit = draft_limit(request.num_tokens, len(request.output_ids), request.params.max_new_tokens, max_total_tokens)
+    drafts = propose((request.encoder_ids or []) + request.prompt_ids + request.output_ids, min(most, limit))
+    if drafts and request.grammar is not None:
+        drafts = drafts_within_grammar(request.grammar, drafts)
+    return drafts
+
+
+def drafts_within_grammar(matcher, drafts: list[int]) -> list[int]:
+    """The longest prefix of `drafts` that the grammar takes without completing: a draft that completes it
+    would end the request, so it comes as the bonus token instead (and no row is masked from a finished state)."""
+    ahead = matcher.deep_copy()
+    taken = 0
+    for token in drafts[: matcher.validate_tokens(drafts)]:  # validate first: a refused token logs an error
+        ahead.consume_token(token)
+        if ahead.is_stopped():
+            break
+        taken += 1
+    return drafts[:taken]
+
+
 @dataclass
 class SpecDecodeCounters:
     """Engine-wide totals (read by /metrics): drafts the model verified, and those it accepted."""

@@ -77,7 +77,7 @@ def apply_grammar_masks(
 ) -> None:
     """Mask each constrained request's rows (matcher None: unconstrained): row j with the grammar state after
     drafts[:j], from a copy of the matcher advanced draft by draft (the request's own matcher only ever takes
-    kept tokens). The drafts must be ones the grammar takes (see `drafts_within_grammar`). `first_rows_masked`:
+    kept tokens). The drafts must be ones the grammar takes (see `speculative.drafts_within_grammar`). `first_rows_masked`:
     each request's first row is masked already (engine/grammar_masks.py, while the model ran)."""
     firsts = [0]
     for d in drafts:
@@ -95,16 +95,3 @@ def apply_grammar_masks(
             assert ahead.consume_token(token), "a draft the grammar refuses: drafts_within_grammar cuts those"
             row = firsts[i] + j
             apply_masks(logits[row : row + 1], [ahead])
-
-
-def drafts_within_grammar(matcher, drafts: list[int]) -> list[int]:
-    """The longest prefix of `drafts` that the grammar takes without completing: a draft that completes it
-    would end the request, so it comes as the bonus token instead (and no row is masked from a finished state)."""
-    ahead = matcher.deep_copy()
-    taken = 0
-    for token in drafts[: matcher.validate_tokens(drafts)]:  # validate first: a refused token logs an error
-        ahead.consume_token(token)
-        if ahead.is_stopped():
-            break
-        taken += 1
-    return drafts[:taken]

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.verification import apply_grammar_masks, drafts_within_grammar
+from loraplex.engine.speculative import drafts_within_grammar
+from loraplex.engine.verification import apply_grammar_masks
 from loraplex.lora.store import AdapterStore
 from loraplex.params import GrammarSpec, SamplingParams
 from loraplex.server.metrics import Metrics
