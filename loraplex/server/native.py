@@ -282,6 +282,8 @@ async def info(request: Request):
         "input_modalities": ["text", "image"] if core.takes_images else ["text"],
         "model_type": core.model_config.model_type,
         "quantize": core.config.quantize,
+        "speculate": core.config.speculative_tokens,  # LoRAX's and TGI's name for the drafts per step
+        "prefix_caching": core.config.prefix_caching,
         "is_encoder_decoder": core.is_encoder_decoder,
         "version": __version__,
     }
