@@ -161,6 +161,8 @@ class Engine:
             raise RequestRefused(
                 f"prompt has {len(prompt_ids)} tokens; must be <= {self.config.max_input_length} (max input length)"
             )
+        # Before `images` is replaced below (a copy would hash the pixels again on this thread).
+        image_digest = images.digest if images is not None and self.config.prefix_caching else b""
         encoder_ids, num_states = None, 0
         if self.is_encoder_decoder:  # the prompt is the encoder's input; the decoder starts from one token
             encoder_ids, prompt_ids = list(prompt_ids), [self.model_config.encoder_decoder.decoder_start_token_id]
@@ -191,7 +193,7 @@ class Engine:
             request.adapter_id = adapter.adapter_id
         if self.config.prefix_caching:
             request.cache_key = root_key(adapter.fingerprint if adapter else None, params.cache_salt, encoder_ids)
-            request.image_digest = images.digest() if images is not None else b""
+            request.image_digest = image_digest
         detok = (
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
             if self.tokenizer is not None

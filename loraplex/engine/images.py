@@ -10,6 +10,7 @@ once the prompt is computed; a preempted request re-encodes when its prompt is p
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import time
 from dataclasses import dataclass, field, replace
@@ -59,8 +60,10 @@ class ImageInputs:
         """The same images for another prompt (one cut from this one): placeholders found again."""
         return replace(self, positions=[i for i, t in enumerate(prompt_ids) if t == self.token_id], layout=None)
 
+    @functools.cached_property
     def digest(self) -> bytes:
-        """A digest of the pixels the model will see (prefix caching keys image-dependent blocks by it)."""
+        """A digest of the pixels the model will see (prefix caching keys image-dependent blocks by it). Cached:
+        the server computes it off the engine thread, beside the processor."""
         digest = hashlib.blake2b(digest_size=16)
         for t in (self.pixel_values, self.aspect_ratio_ids, self.aspect_ratio_mask):
             if t is not None:

@@ -42,4 +42,6 @@ async def encode_prompt(
     placed = sum(1 for t in ids if t == token_id)
     if placed == 0:
         raise BadRequest("the prompt has no place for its images (the chat template dropped them)", param)
-    return ids, ImageInputs.from_processor(out, [(image.height, image.width) for image in images], token_id)
+    inputs = ImageInputs.from_processor(out, [(image.height, image.width) for image in images], token_id)
+    await asyncio.to_thread(lambda: inputs.digest)  # hashed here, not on the engine thread (prefix caching)
+    return ids, inputs
