@@ -4,7 +4,8 @@ model's tokenizer, one matcher per request.
 `Grammars.compile(spec)` checks and compiles a request's `GrammarSpec` once per distinct spec (cached, within
 `GrammarLimits`) and raises `GrammarError` naming the problem; `Grammars.matcher(spec)` deep-copies the
 compiled matcher for one request. Each step the runner masks every constrained row's logits to the tokens its
-matcher allows (`apply_masks`, before sampling, greedy and sampled rows alike); the engine feeds each sampled
+matcher allows, before sampling, greedy and sampled rows alike (engine/grammar_masks.py fills the masks while
+the model runs; `apply_masks` here is the plain form, for draft rows); the engine feeds each sampled
 token to the matcher (`advance`), and the request ends when the matcher says the grammar is complete and its
 end-of-sequence token came.
 """
