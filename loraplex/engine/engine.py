@@ -10,18 +10,18 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.grammar_masks import GrammarMasks
-from loraplex.engine.image_states import ImageStateLayout
+from loraplex.engine.image_states import with_state_layout
 from loraplex.engine.images import ImageInputs
 from loraplex.engine.kv_cache import blocks_for
 from loraplex.engine.loading import LoadedModel, load_model
 from loraplex.engine.prefix_cache import root_key
-from loraplex.engine.request import FinishReason, Request, RequestStatus
+from loraplex.engine.request import FinishReason, Request, RequestRefused, RequestStatus
 from loraplex.engine.runner import ForcedTokens, ModelRunner, StepResult
 from loraplex.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from loraplex.engine.speculative import SpecDecodeCounters, drafts_for
@@ -36,10 +36,6 @@ from loraplex.tokenizer import IncrementalDetokenizer, find_stop
 CPU_KV_CACHE_CAP_BYTES = 2 << 30
 
 log = logging.getLogger(__name__)
-
-
-class RequestRefused(ValueError):
-    """The engine cannot serve this request as asked (too long, empty, ...). The message says why."""
 
 
 @dataclass
@@ -169,7 +165,9 @@ class Engine:
             self._check_encoder_input(encoder_ids)
             num_states = len(encoder_ids)  # one state per encoder token
         if images is not None and self.model_config.mllama is not None:
-            images = self._with_state_layout(prompt_ids, images)
+            images = with_state_layout(
+                images, len(prompt_ids), self.model_config.mllama.vision.max_num_tiles, self.runner.model.states_per_tile
+            )
             num_states = images.layout.num_states
         if num_states:
             self._check_states_fit(num_states, len(prompt_ids), params)
@@ -265,23 +263,6 @@ class Engine:
             raise RequestRefused(f"model {self.model_id!r} does not take images (it is a text-only model)")
         if not images.positions or images.positions[-1] >= len(prompt_ids) or images.num_images == 0:
             raise RequestRefused("the images have no placeholder tokens in the prompt")
-
-    def _with_state_layout(self, prompt_ids: list[int], images: ImageInputs) -> ImageInputs:
-        """Mllama: one image token per image, the processor's tiling, and where the image states will live."""
-        vision = self.model_config.mllama.vision
-        if len(images.positions) != images.num_images:
-            raise RequestRefused(
-                f"the prompt has {len(images.positions)} image tokens for {images.num_images} images (one each)"
-            )
-        if images.aspect_ratio_ids is None or images.aspect_ratio_mask is None:
-            raise RequestRefused("the images lack the processor's aspect_ratio_ids / aspect_ratio_mask")
-        tiles = images.pixel_values.shape[1]
-        if tiles != vision.max_num_tiles or min(images.real_tiles) < 1:
-            raise RequestRefused(f"each image needs {vision.max_num_tiles} tiles (real ones first); got {tiles}")
-        layout = ImageStateLayout.build(
-            images.positions, len(prompt_ids), images.real_tiles, tiles, self.runner.model.states_per_tile
-        )
-        return replace(images, layout=layout)
 
     def compile_grammar(self, spec: GrammarSpec) -> None:
         """Compile `spec` into the grammar cache, from any thread: the server calls this off the engine thread

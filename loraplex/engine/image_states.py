@@ -18,7 +18,9 @@ after image.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from loraplex.engine.request import RequestRefused
 
 
 @dataclass(frozen=True)
@@ -78,3 +80,19 @@ def image_rows(image_positions: list[int], prompt_len: int) -> list[tuple[int, i
             span[1] = later_end
         later_end = span[1]
     return [(a, b) for a, b in spans]
+
+
+def with_state_layout(images, prompt_len: int, max_num_tiles: int, states_per_tile: int):
+    """A request's Mllama images (an engine.images.ImageInputs) with the layout of their states: one image token
+    per image and the processor's tiling are checked first (RequestRefused saying what is wrong)."""
+    if len(images.positions) != images.num_images:
+        raise RequestRefused(
+            f"the prompt has {len(images.positions)} image tokens for {images.num_images} images (one each)"
+        )
+    if images.aspect_ratio_ids is None or images.aspect_ratio_mask is None:
+        raise RequestRefused("the images lack the processor's aspect_ratio_ids / aspect_ratio_mask")
+    tiles = images.pixel_values.shape[1]
+    if tiles != max_num_tiles or min(images.real_tiles) < 1:
+        raise RequestRefused(f"each image needs {max_num_tiles} tiles (real ones first); got {tiles}")
+    layout = ImageStateLayout.build(images.positions, prompt_len, images.real_tiles, tiles, states_per_tile)
+    return replace(images, layout=layout)

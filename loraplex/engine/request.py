@@ -9,6 +9,10 @@ from typing import Any
 from loraplex.params import SamplingParams
 
 
+class RequestRefused(ValueError):
+    """The engine cannot serve this request as asked (too long, empty, ...). The message says why."""
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
