@@ -18,7 +18,7 @@ from loraplex.engine.grammar_masks import GrammarMasks, PendingMasks
 from loraplex.engine.images import ImageFeatures, VisionCounters, step_input_embeds
 from loraplex.engine.scheduler import ScheduledRequest
 from loraplex.engine.verification import SampledToken, apply_grammar_masks, sample_verified
-from loraplex.layers.attention import AttentionBackend, TorchAttentionBackend
+from loraplex.layers.attention import AttentionBackend, default_backend
 from loraplex.layers.forward_context import (
     AttentionMetadata,
     DecodeGroup,
@@ -116,7 +116,7 @@ class ModelRunner:
         self.lora = lora  # the engine's device slots (None: no adapters)
         self.device, self.dtype = device, dtype
         self.block_size = block_size
-        self.backend = backend or TorchAttentionBackend()
+        self.backend = backend or default_backend(device)
         # Layers that cache only cross-attention states (Mllama's cross layers) get `num_state_blocks` blocks
         # of their own pool; the others `num_blocks` of the token pool (0: one pool for every layer).
         state_layers = set(getattr(model, "state_layers", ())) if num_state_blocks else set()

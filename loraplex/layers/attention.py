@@ -12,6 +12,8 @@ their own request's cross-attention states, which live in KV blocks of the same 
 
 from __future__ import annotations
 
+import os
+
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -278,3 +280,31 @@ def _biased_mask(bias: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) 
     """A float SDPA mask: the float32 score bias where visible, -inf elsewhere (broadcast shapes), cast to
     the scores' dtype (MPT adds its float32 ALiBi bias to the scores; T5 its bias in the weights' dtype)."""
     return bias.masked_fill(~visible, float("-inf")).to(dtype)
+
+
+class TritonAttentionBackend(TorchAttentionBackend):
+    """CUDA: decode rows attend to the paged cache in place (`layers/kernels/paged_decode.py`: GQA, sliding
+    windows, ALiBi), with no gather into a padded copy. Prefill, encoder and cross-attention, and decode under
+    T5's relative position bias, are the torch reference's."""
+
+    def _decode(self, layer, q, key_cache, value_cache, md, g):
+        if layer.position_bias is not None:
+            return super()._decode(layer, q, key_cache, value_cache, md, g)
+        from loraplex.layers.kernels.paged_decode import paged_decode
+
+        group = md.decode_groups[g]
+        slopes = layer.alibi_on(q.device) if layer.alibi_slopes is not None else None
+        return paged_decode(q.contiguous(), key_cache, value_cache, md.block_tables[group.seqs], group.seq_lens,
+                            layer.scale, layer.sliding_window, slopes)
+
+
+def default_backend(device: torch.device) -> AttentionBackend:
+    """Triton's on CUDA where Triton is installed (LORAPLEX_ATTENTION_BACKEND=torch keeps the reference), else
+    the torch reference."""
+    if device.type != "cuda" or os.environ.get("LORAPLEX_ATTENTION_BACKEND", "triton") == "torch":
+        return TorchAttentionBackend()
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return TorchAttentionBackend()
+    return TritonAttentionBackend()

@@ -1,0 +1,96 @@
+"""Paged-attention decode in Triton: each decode row's query attends to its sequence's keys and values where they
+lie in the paged KV cache, block by block through its block table, with no gather into a padded copy.
+
+One program per (decode row, KV head): the query heads that share the KV head (GQA) are computed together, so
+each key and value block is read from memory once per row. Scores and the running softmax (online, as
+FlashAttention's) are kept in float32. Score modifiers as `PagedAttention` defines them: a sliding window (keys
+more than `window` positions back are hidden) and ALiBi slopes (`slope[h] * (key_pos - query_pos)` added to the
+scaled scores). The torch backend's `_decode` is the reference (tests/gpu/test_gpu_paged_decode.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any sequence
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, slopes_ptr, out_ptr,
+    scale, window,
+    stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_tb,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    heads = kv_head * GROUP + tl.arange(0, GROUP_P)  # the query heads of this KV head
+    head_ok = tl.arange(0, GROUP_P) < GROUP
+    dims = tl.arange(0, DIM_P)
+    dim_ok = dims < HEAD_DIM
+    slots = tl.arange(0, BLOCK_SIZE)
+
+    seq_len = tl.load(seq_lens_ptr + row)
+    query_pos = seq_len - 1
+    q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+    if HAS_ALIBI:
+        slopes = tl.load(slopes_ptr + heads, mask=head_ok, other=0.0)
+
+    first_key = tl.maximum(seq_len - window, 0)  # `window` is huge when there is none
+    m = tl.full([GROUP_P], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, DIM_P], tl.float32)
+    for b in range(first_key // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)):
+        block = tl.load(block_tables_ptr + row * stride_tb + b)
+        key_pos = b * BLOCK_SIZE + slots
+        visible = (key_pos < seq_len) & (key_pos >= first_key)
+        offsets = block * stride_kb + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
+        kv_mask = visible[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_P, BLOCK_SIZE]
+        if HAS_ALIBI:
+            scores += slopes[:, None] * (key_pos - query_pos).to(tl.float32)[None, :]
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        correction = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l = l * correction + tl.sum(p, axis=1)
+        acc = acc * correction[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
+
+
+def paged_decode(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of decode queries q [B, H, D] over their cached keys/values ([num_blocks, block_size, Hkv, D]),
+    sequence i's blocks listed in block_tables[i] and its length (the query's position + 1) in seq_lens[i]."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    assert num_heads % num_kv_heads == 0 and key_cache.stride(3) == 1 and q.stride(2) == 1
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    slopes = alibi_slopes if alibi_slopes is not None else q.new_empty(0, dtype=torch.float32)
+    _paged_decode_kernel[(batch, num_kv_heads)](
+        q, key_cache, value_cache, block_tables, seq_lens, slopes, out,
+        scale, sliding_window or NO_WINDOW,
+        q.stride(0), q.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, DIM_P=triton.next_power_of_2(head_dim), GROUP=group,
+        GROUP_P=max(2, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+        HAS_ALIBI=alibi_slopes is not None,
+    )
+    return out
