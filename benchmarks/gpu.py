@@ -300,8 +300,11 @@ def bench_online(args, loaded: LoadedModel) -> list:
     special = (c.bos_token_id, *c.eos_token_ids)
     workload = online_workload(c.vocab_size, args.rate, args.num_adapters, args.zipf_alpha, args.duration,
                                args.requests, tuple(args.prompt_lens), tuple(args.output_lens), special, args.seed)
-    warm = online_workload(c.vocab_size, 1000.0, args.num_adapters, 0.0, None, min(args.num_adapters, 16),
+    # Warm-up (untimed): one short request per adapter, so the timed runs start with them installed (as far
+    # as the slots go) and with the engine's kernels warm.
+    warm = online_workload(c.vocab_size, 1000.0, args.num_adapters, 0.0, None, args.num_adapters,
                            (args.prompt_lens[0], min(32, args.prompt_lens[1])), (2, 4), special, args.seed + 1)
+    warm = dataclasses.replace(warm, adapter_ranks=list(range(args.num_adapters)))
     run_online(engine, warm, adapters, "warm-up")
     results = []
     for label, used in ((f"loraplex, {args.num_adapters} adapters / {slots} slots", adapters),
