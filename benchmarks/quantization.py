@@ -72,14 +72,19 @@ def llama_config(args: argparse.Namespace) -> ModelConfig:
 def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
     """Our model built as load_model builds it, from a state dict of random tensors made on the device."""
     with torch.device("meta"):
-        names = {name: tuple(t.shape) for name, t in model_class(config)(config).state_dict().items()}
+        tensors = model_class(config)(config).state_dict(keep_vars=True)
     gen = torch.Generator(device=device).manual_seed(seed)
-    state = {}
-    for name, shape in names.items():  # (no autograd: load_into assigns these tensors as the parameters)
+    state, drawn = {}, {}
+    for name, tensor in tensors.items():  # (no autograd: load_into assigns these tensors as the parameters)
+        if id(tensor) in drawn:  # a tied head: the embedding's tensor again (else build_model unties it)
+            state[name] = drawn[id(tensor)]
+            continue
+        shape = tuple(tensor.shape)
         if len(shape) >= 2:  # matrices and embeddings: std 0.02 (transformers' init)
             state[name] = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02).to(dtype)
         else:  # norm weights
             state[name] = torch.ones(shape, device=device, dtype=dtype)
+        drawn[id(tensor)] = state[name]
     return build_model(config, state)
 
 

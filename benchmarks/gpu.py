@@ -1,0 +1,416 @@
+"""GPU benchmark (issue 13, item 5): loraplex as it is today, on random-weight models of real shapes, against
+transformers and PEFT on the same weights, and against the memory-bandwidth roofline. `python -m benchmarks.gpu`.
+
+Workloads (`--workloads`, comma-separated; default all four):
+
+- `135m`: SmolLM2-135M's shape, 64 requests x 256 prompt / 128 new tokens, round-robin over 8 adapters;
+- `8b`: Llama-3.1-8B's shape (vocabulary cut to 49,152), 32 requests x 256 / 64, over 8 adapters;
+- `8b-single`: the 8B shape, one request, 256 / 128 (one adapter for the adapter systems); its decode rate
+  against the roofline is the headline figure (target 70%);
+- `online`: S-LoRA-style (benchmarks/online.py): Poisson arrivals at `--rate` req/s for `--duration` s (or
+  `--requests N`), each request's adapter drawn from a power law (`--zipf-alpha`) over `--num-adapters` random
+  adapters, prompt and output lengths uniform in `--prompt-lens` / `--output-lens`; loraplex only, with
+  adapters and without (the same arrivals and prompts), on `--online-model` (8b or 135m).
+
+The fixed workloads run four systems on the same prompts (random token ids), greedy, EOS ignored, each warmed up
+on a small run first (excluded): loraplex with adapters, loraplex without, transformers batched (one left-padded
+`generate`) and PEFT's mixed-adapter batch (`adapter_names`), the adapters made with PEFT (rank 16, alpha 32, on
+all seven projections) and converted, so both sides run the same adapter weights. transformers and PEFT run a
+LlamaForCausalLM built from the same config holding our model's weights (a copy per peer). Reported: output
+tokens/s (all tokens over the whole run) and its ratios; for loraplex also time to the last first token (prefill,
+all prompts in one step) and decode tokens/s (tokens after each request's first, over the time after that),
+against the roofline of benchmarks/roofline.py at the decode's average context. Prefix caching is off in the
+fixed workloads' engines (a repeat would otherwise reuse its own prompts' blocks); the online engine keeps the
+default (random prompts share nothing).
+
+On the H200 (bf16; the device's copy bandwidth is measured first):
+
+    python -m benchmarks.gpu --workloads 135m --json 135m.json
+    python -m benchmarks.gpu --workloads 8b --json 8b.json
+    python -m benchmarks.gpu --workloads 8b-single --json 8b-single.json
+    python -m benchmarks.gpu --workloads online --rate 4 --duration 60 --num-adapters 64 --json online.json
+    python -m benchmarks.gpu --workloads 135m,8b,8b-single,online --repeats 2 --json gpu.json   # all in one run
+
+`--layers N` gives the 8B shape fewer layers; `--smoke` runs every workload on CPU with tiny shapes and few
+tokens (the unit test's setting: tests/unit/test_bench_gpu_smoke.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+from dataclasses import dataclass
+from time import perf_counter
+
+import torch
+
+from benchmarks import roofline
+from benchmarks.adapters import AdapterSpec, PEFTMixed, adapter_from_peft, make_peft_model, random_adapter
+from benchmarks.offline import Loraplex, Measurement, measure
+from benchmarks.online import format_online, online_workload, run_online
+from benchmarks.peers import HFBatched
+from benchmarks.workload import Workload, equal_workload, round_robin
+from loraplex.config import EngineConfig, ModelConfig
+from loraplex.engine.engine import Engine
+from loraplex.engine.loading import LoadedModel
+
+WORKLOADS = ("135m", "8b", "8b-single", "online")
+ROOFLINE_TARGET = 0.70  # 8b-single: decode tokens/s as a fraction of the roofline
+
+
+@dataclass(frozen=True)
+class Fixed:
+    model: str  # "135m" | "8b"
+    requests: int
+    prompt_len: int
+    new_tokens: int
+    adapters: int
+
+
+FIXED = {"135m": Fixed("135m", 64, 256, 128, 8), "8b": Fixed("8b", 32, 256, 64, 8),
+         "8b-single": Fixed("8b", 1, 256, 128, 1)}
+SMOKE_FIXED = {"135m": Fixed("135m", 4, 16, 6, 2), "8b": Fixed("8b", 4, 16, 6, 2),
+               "8b-single": Fixed("8b", 1, 16, 8, 1)}
+SPEC = AdapterSpec()  # rank 16, alpha 32, all seven projections
+
+
+# ---- models -----------------------------------------------------------------------------------------
+
+
+def _tiny(tied: bool) -> ModelConfig:
+    """Smoke shapes: SmolLM2-like (tied head, default RoPE) or Llama-3.1-like (untied, llama3 RoPE)."""
+    from benchmarks.quantization import llama_config
+
+    config = llama_config(argparse.Namespace(vocab=512, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2))
+    if tied:
+        rope = dataclasses.replace(config.rope, kind="default")
+        config = dataclasses.replace(config, tie_word_embeddings=True, rope=rope)
+    return config
+
+
+def build_model(kind: str, device: torch.device, dtype: torch.dtype, layers: int, smoke: bool) -> LoadedModel:
+    from benchmarks.random_models import llama_8b, smollm2_135m
+
+    if smoke:
+        from benchmarks.quantization import random_model
+
+        config = _tiny(tied=kind == "135m")
+        return LoadedModel(random_model(config, device, dtype, 0), config, None, device, dtype, f"tiny-{kind}")
+    return smollm2_135m(device, dtype) if kind == "135m" else llama_8b(device, layers, dtype)
+
+
+def hf_twin(loaded: LoadedModel):
+    """A transformers LlamaForCausalLM of the same config holding a copy of our model's weights."""
+    import transformers
+
+    c = loaded.config
+    rope_scaling = None
+    if c.rope.kind == "llama3":
+        rope_scaling = {"rope_type": "llama3", "factor": c.rope.factor, "low_freq_factor": c.rope.low_freq_factor,
+                        "high_freq_factor": c.rope.high_freq_factor,
+                        "original_max_position_embeddings": c.rope.original_max_position_embeddings}
+    elif c.rope.kind != "default":
+        raise ValueError(f"rope {c.rope.kind} not mapped")
+    hf_config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
+        rope_theta=c.rope.theta, rope_scaling=rope_scaling, tie_word_embeddings=c.tie_word_embeddings,
+        bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids) or None, hidden_act=c.hidden_act,
+    )
+    with torch.device(loaded.device):
+        hf = transformers.LlamaForCausalLM._from_config(hf_config, dtype=loaded.dtype, attn_implementation="sdpa")
+    missing, unexpected = hf.load_state_dict(loaded.model.state_dict(), strict=False)
+    allowed = {"lm_head.weight"} if c.tie_word_embeddings else set()
+    if unexpected or set(missing) - allowed:
+        raise RuntimeError(f"weights do not map onto transformers' Llama: missing {missing}, unexpected {unexpected}")
+    if c.tie_word_embeddings:
+        hf.tie_weights()
+    return hf.eval()
+
+
+class OnDevice:
+    """A model whose `generate` gets its input tensors moved to `device` (the peers build them on the CPU)."""
+
+    def __init__(self, model, device: torch.device) -> None:
+        self.model, self.device = model, device
+
+    def generate(self, **kwargs):
+        return self.model.generate(**{k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                                      for k, v in kwargs.items()})
+
+
+class PhasedLoraplex(Loraplex):
+    """offline.Loraplex that also times its last run's phases: `prefill_s` (run start to the last request's first
+    token) and `decode_s` (from then to the end), timed when each engine step has returned its tokens."""
+
+    def __init__(self, engine, adapters=None, name: str = "loraplex") -> None:
+        super().__init__(engine, adapters, name)
+        self._step, self._first, self._last = engine.step, {}, 0.0
+        engine.step = self._timed_step  # this engine only (as Loraplex observes its scheduler)
+        self.phases: dict[str, float] = {}
+
+    def _timed_step(self):
+        outputs = self._step()
+        self._last = perf_counter()
+        for out in outputs:
+            self._first.setdefault(out.request_id, self._last)
+        return outputs
+
+    def run(self, workload: Workload) -> list[list[int]]:
+        self._first, started = {}, perf_counter()
+        outputs = super().run(workload)
+        prefilled = max(self._first.values())
+        self.phases = {"prefill_s": prefilled - started, "decode_s": self._last - prefilled}
+        return outputs
+
+
+# ---- fixed workloads --------------------------------------------------------------------------------
+
+
+@dataclass
+class SystemResult:
+    measurement: Measurement
+    phases: dict[str, float]  # loraplex only
+
+    def decode_tokens_per_s(self, requests: int) -> float | None:
+        d = self.phases.get("decode_s")
+        return (self.measurement.tokens - requests) / d if d else None
+
+
+def bench_fixed(name: str, spec: Fixed, loaded: LoadedModel, peers: dict, bandwidth: roofline.Bandwidth,
+                repeats: int, seed: int) -> dict:
+    """Four systems on one fixed workload; `peers` holds this model's transformers twin and PEFT model."""
+    device, dtype, c = loaded.device, loaded.dtype, loaded.config
+    names = [f"adapter-{i}" for i in range(spec.adapters)]
+    total = spec.requests * (spec.prompt_len + spec.new_tokens)
+    engine = Engine(loaded, EngineConfig(
+        device=str(device), max_batch_total_tokens=total + 16 * (spec.requests + 8),
+        max_batch_prefill_tokens=max(4096, spec.requests * spec.prompt_len), max_num_seqs=max(spec.requests, 8),
+        max_input_length=spec.prompt_len, max_total_tokens=spec.prompt_len + spec.new_tokens,
+        max_active_adapters=max(1, spec.adapters), max_lora_rank=SPEC.rank, prefix_caching=False,
+    ))
+    adapters = {n: adapter_from_peft(peers["peft"], n, engine.lora.base_shapes, SPEC.rank) for n in names}
+    workload = round_robin(equal_workload(spec.requests, c.vocab_size, (c.bos_token_id, *c.eos_token_ids),
+                                          spec.prompt_len, spec.new_tokens, seed=seed), names, name=name)
+    base_workload = dataclasses.replace(workload, adapter_ids=None)
+    warm = equal_workload(max(2, len(names)), c.vocab_size, (), 16, 4, seed=seed + 1, name="warmup")
+    warm_adapters = round_robin(warm, names)
+    systems = [
+        (PhasedLoraplex(engine, adapters, f"loraplex, {len(names)} adapter(s)"), workload, warm_adapters),
+        (PhasedLoraplex(engine, None, "loraplex, base model"), base_workload, warm),
+        (HFBatched(OnDevice(peers["hf"], device)), base_workload, warm),
+        (PEFTMixed(OnDevice(peers["peft"], device)), workload, warm_adapters),
+    ]
+    for system, _, w in systems:
+        system.run(w)
+    best: list[tuple[SystemResult, list[list[int]]] | None] = [None] * len(systems)
+    for _ in range(repeats):  # the systems take turns; each keeps its best run
+        for i, (system, w, _) in enumerate(systems):
+            m, out = measure(system, w)
+            print(f"  {name}: {m.system}: {m.seconds:.2f}s", file=sys.stderr, flush=True)
+            if best[i] is None or m.seconds < best[i][0].measurement.seconds:
+                best[i] = (SystemResult(m, dict(getattr(system, "phases", {}))), out)
+    (ours, ours_out), (base, base_out), (hf, hf_out), (peft, peft_out) = best
+
+    context = spec.requests * roofline.average_decode_context(spec.prompt_len, spec.new_tokens)
+    roof = {}
+    for key, used in (("adapters", list(adapters.values())), ("base", [])):
+        step = roofline.decode_step_bytes(loaded.model, c, dtype, spec.requests, context, used)
+        roof[key] = {"bytes": dataclasses.asdict(step), "tokens_per_s": roofline.roofline_tokens_per_s(
+            spec.requests, step, bandwidth)}
+    rate = {k: r.measurement.tokens_per_s for k, r in zip(("adapters", "base", "hf", "peft"), (ours, base, hf, peft))}
+    result = {
+        "workload": name, "description": workload.describe(), "model": loaded.model_id, "repeats": repeats,
+        "dtype": str(dtype),
+        "systems": {}, "roofline": roof,
+        "ratios": {"adapters_vs_peft": rate["adapters"] / rate["peft"],
+                   "base_vs_transformers": rate["base"] / rate["hf"],
+                   "adapters_vs_base": rate["adapters"] / rate["base"]},
+        "identical": {"base_vs_transformers": [sum(a == b for a, b in zip(base_out, hf_out)), spec.requests],
+                      "adapters_vs_peft": [sum(a == b for a, b in zip(ours_out, peft_out)), spec.requests]},
+    }
+    for key, r in (("loraplex_adapters", ours), ("loraplex_base", base), ("transformers_batched", hf),
+                   ("peft_mixed", peft)):
+        entry = vars(r.measurement) | {"tokens_per_s": r.measurement.tokens_per_s} | r.phases
+        decode = r.decode_tokens_per_s(spec.requests)
+        if decode is not None:
+            roof_key = "adapters" if key == "loraplex_adapters" else "base"
+            entry |= {"decode_tokens_per_s": decode, "roofline_fraction": decode / roof[roof_key]["tokens_per_s"]}
+        result["systems"][key] = entry
+    del engine, systems
+    return result
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def format_fixed(r: dict, bandwidth: roofline.Bandwidth) -> str:
+    lines = [f"workload {r['workload']}: {r['description']} ({SPEC.describe()}), greedy, EOS ignored, {r['model']}"
+             + (f", best of {r['repeats']}" if r["repeats"] > 1 else ""), "",
+             "| system | s | output tok/s | prefill s | decode tok/s | roofline tok/s | of roofline |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for key, s in r["systems"].items():
+        roof = r["roofline"]["adapters" if key == "loraplex_adapters" else "base"]["tokens_per_s"]
+        if "decode_tokens_per_s" in s:
+            tail = (f"{s['prefill_s']:.3f} | {s['decode_tokens_per_s']:.1f} | {roof:.1f} | "
+                    f"{100 * s['roofline_fraction']:.1f}% |")
+        else:
+            tail = "- | - | - | - |"
+        lines.append(f"| {s['system']} | {s['seconds']:.2f} | {s['tokens_per_s']:.1f} | {tail}")
+    q, i = r["ratios"], r["identical"]
+    b = r["roofline"]["adapters"]["bytes"]
+    lines += [
+        "",
+        f"ratios (output tok/s): loraplex+adapters / PEFT mixed = {q['adapters_vs_peft']:.2f}x; loraplex base / "
+        f"transformers batched = {q['base_vs_transformers']:.2f}x; loraplex+adapters / loraplex base = "
+        f"{q['adapters_vs_base']:.2f}x",
+        f"roofline: a decode step reads weights {_size(b['weights'])} + KV {_size(b['kv'])} "
+        f"(average decode context) + adapters {_size(b['adapters'])} (base: no adapters) at "
+        f"{bandwidth.bytes_per_s / 1e9:.0f} GB/s",
+        f"sanity: greedy tokens identical, loraplex base vs transformers {i['base_vs_transformers'][0]}/"
+        f"{i['base_vs_transformers'][1]}, loraplex+adapters vs PEFT {i['adapters_vs_peft'][0]}/"
+        f"{i['adapters_vs_peft'][1]}" + (" (bfloat16: rounding may differ)" if "bfloat16" in r["dtype"] else ""),
+    ]
+    if r["workload"] == "8b-single":
+        frac = r["systems"]["loraplex_base"]["roofline_fraction"]
+        lines.append(f"headline: loraplex base decode at {100 * frac:.1f}% of the roofline (target "
+                     f"{100 * ROOFLINE_TARGET:.0f}%, {'met' if frac >= ROOFLINE_TARGET else 'NOT met'})")
+    return "\n".join(lines)
+
+
+# ---- the online workload ----------------------------------------------------------------------------
+
+
+def bench_online(args, loaded: LoadedModel) -> list:
+    c, device = loaded.config, loaded.device
+    slots = min(args.num_adapters, args.max_active_adapters)
+    engine = Engine(loaded, EngineConfig(
+        device=str(device), max_batch_total_tokens=args.kv_tokens, max_input_length=args.prompt_lens[1],
+        max_total_tokens=args.prompt_lens[1] + args.output_lens[1], max_active_adapters=slots,
+        max_lora_rank=SPEC.rank,
+    ))
+    adapters = [random_adapter(f"online-{k}", engine.lora.base_shapes, SPEC, SPEC.rank, seed=args.seed * 7919 + k)
+                for k in range(args.num_adapters)]
+    special = (c.bos_token_id, *c.eos_token_ids)
+    workload = online_workload(c.vocab_size, args.rate, args.num_adapters, args.zipf_alpha, args.duration,
+                               args.requests, tuple(args.prompt_lens), tuple(args.output_lens), special, args.seed)
+    # Warm-up (untimed): one short request per adapter, so the timed runs start with them installed (as far
+    # as the slots go) and with the engine's kernels warm.
+    warm = online_workload(c.vocab_size, 1000.0, args.num_adapters, 0.0, None, args.num_adapters,
+                           (args.prompt_lens[0], min(32, args.prompt_lens[1])), (2, 4), special, args.seed + 1)
+    warm = dataclasses.replace(warm, adapter_ranks=list(range(args.num_adapters)))
+    run_online(engine, warm, adapters, "warm-up")
+    results = []
+    for label, used in ((f"loraplex, {args.num_adapters} adapters / {slots} slots", adapters),
+                        ("loraplex, base model", None)):
+        results.append(run_online(engine, workload, used, label))
+        print(f"  online: {label}: {results[-1].makespan_s:.1f}s", file=sys.stderr, flush=True)
+    del engine
+    return results
+
+
+# ---- main -------------------------------------------------------------------------------------------
+
+
+def _pair(text: str) -> list[int]:
+    lo, hi = (int(x) for x in text.split(","))
+    return [lo, hi]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, few requests and tokens (a smoke test)")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu (cpu with --smoke)")
+    p.add_argument("--layers", type=int, default=32, help="layers of the 8B shape")
+    p.add_argument("--repeats", type=int, default=1, help="fixed workloads: timed runs per system (taking turns)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--online-model", choices=["8b", "135m"], default="8b")
+    p.add_argument("--rate", type=float, default=4.0, help="online: Poisson arrival rate, requests/s")
+    p.add_argument("--duration", type=float, default=60.0, help="online: seconds of arrivals")
+    p.add_argument("--requests", type=int, default=None, help="online: this many requests instead of --duration")
+    p.add_argument("--zipf-alpha", type=float, default=1.0, help="online: adapter popularity power-law exponent")
+    p.add_argument("--num-adapters", type=int, default=64, help="online: adapters the requests are drawn over")
+    p.add_argument("--max-active-adapters", type=int, default=128, help="online: device adapter slots (at most)")
+    p.add_argument("--prompt-lens", type=_pair, default=[8, 512], metavar="LO,HI", help="online: prompt lengths")
+    p.add_argument("--output-lens", type=_pair, default=[8, 256], metavar="LO,HI", help="online: output lengths")
+    p.add_argument("--kv-tokens", type=int, default=None,
+                   help="online: KV cache tokens (default: the engine sizes it from free memory)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = p.parse_args(argv)
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if unknown := set(args.workloads) - set(WORKLOADS):
+        p.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
+    if args.smoke:
+        args.device = args.device or "cpu"
+        if args.requests is None:
+            args.requests = 6
+        args.rate, args.num_adapters = max(args.rate, 50.0), min(args.num_adapters, 4)
+        args.prompt_lens, args.output_lens = [4, 16], [2, 6]
+        args.kv_tokens = args.kv_tokens or 1024
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    import peft
+    import transformers
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"device {name}, {str(dtype).removeprefix('torch.')}; torch {torch.__version__}, transformers "
+          f"{transformers.__version__}, peft {peft.__version__}; torch threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    bandwidth = roofline.copy_bandwidth(device, 64 * 2**20 if args.smoke else None)
+    print(f"copy bandwidth: {bandwidth.describe()}", flush=True)
+    figures = {"device": name, "dtype": str(dtype), "torch": torch.__version__, "smoke": args.smoke,
+               "bandwidth": bandwidth.to_json(), "workloads": {}}
+    fixed = SMOKE_FIXED if args.smoke else FIXED
+    started = perf_counter()
+    models: dict[str, LoadedModel] = {}
+
+    def model(kind: str) -> LoadedModel:
+        if kind not in models:
+            models.clear()  # one model at a time on the device
+            gc.collect()
+            models[kind] = build_model(kind, device, dtype, args.layers, args.smoke)
+        return models[kind]
+
+    for kind in ("135m", "8b"):
+        names = [w for w in args.workloads if w in fixed and fixed[w].model == kind]
+        if not names:
+            continue
+        loaded = model(kind)
+        adapter_names = [f"adapter-{i}" for i in range(max(fixed[n].adapters for n in names))]
+        peft_model = make_peft_model(hf_twin(loaded), adapter_names, SPEC, seed=args.seed)
+        peers = {"hf": hf_twin(loaded), "peft": peft_model}
+        for w in names:
+            result = bench_fixed(w, fixed[w], loaded, peers, bandwidth, args.repeats, args.seed)
+            figures["workloads"][w] = result
+            print("\n" + format_fixed(result, bandwidth) + "\n", flush=True)
+        del peers, peft_model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "online" in args.workloads:
+        results = bench_online(args, model(args.online_model))
+        figures["workloads"]["online"] = [r.to_json() for r in results]
+        setting = f"{models[args.online_model].model_id}, {name} {str(dtype).removeprefix('torch.')}"
+        print("\n" + format_online(results, setting) + "\n", flush=True)
+    print(f"total benchmark time {perf_counter() - started:.0f}s (models, warm-ups included), load average "
+          f"{os.getloadavg()[0]:.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
