@@ -299,9 +299,11 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
 
 def default_backend(device: torch.device) -> AttentionBackend:
-    """Triton's on CUDA where Triton is installed (LORAPLEX_ATTENTION_BACKEND=torch keeps the reference), else
-    the torch reference."""
-    if device.type != "cuda" or os.environ.get("LORAPLEX_ATTENTION_BACKEND", "triton") == "torch":
+    """The torch reference, unless LORAPLEX_ATTENTION_BACKEND=triton on CUDA with Triton installed. Not the
+    default yet: the kernel matches the reference, but one program per (row, KV head) walking the context alone
+    is slower than gather + SDPA (python -m benchmarks.paged_decode on the H200: 0.45x-0.88x per call); it
+    needs the context split across programs (flash-decoding) and tensor-core dots first."""
+    if device.type != "cuda" or os.environ.get("LORAPLEX_ATTENTION_BACKEND", "torch") != "triton":
         return TorchAttentionBackend()
     try:
         import triton  # noqa: F401

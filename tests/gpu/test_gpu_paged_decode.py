@@ -10,7 +10,7 @@ from loraplex.layers.attention import PagedAttention, TorchAttentionBackend, Tri
 from loraplex.layers.forward_context import AttentionMetadata, DecodeGroup
 from loraplex.params import SamplingParams
 from tests.gpu.test_gpu_parity import DEVICE, SMOLLM2_SHAPE
-from tests.helpers import engine_for, ours_from_hf, tiny_hf_model, tiny_mpt
+from tests.helpers import engine_for, load_ours, ours_from_hf, tiny_hf_model, tiny_mpt
 
 if not torch.cuda.is_available():
     pytest.fail("tests/gpu needs a CUDA device", pytrace=False)
@@ -51,21 +51,20 @@ def test_kernel_matches_the_torch_decode(dtype, shape, modifier):
 
 
 @pytest.mark.parametrize("model", ["smollm2-shape", "mistral-window", "mpt-alibi"])
-def test_engine_tokens_with_either_backend(model, monkeypatch):
-    if model == "smollm2-shape":
-        hf = tiny_hf_model("llama", **SMOLLM2_SHAPE).to(DEVICE)
-    elif model == "mistral-window":
-        hf = tiny_hf_model("mistral", sliding_window=24).to(DEVICE)
+def test_engine_tokens_with_either_backend(model, monkeypatch, tmp_path):
+    if model == "mpt-alibi":  # MPT's checkpoint names need the loader's mapping
+        ours, config = load_ours(tiny_mpt(), tmp_path)
+        ours = ours.to(DEVICE)
     else:
-        hf = tiny_mpt().to(DEVICE)
-    ours, config = ours_from_hf(hf, device=DEVICE)
+        kind, overrides = ("llama", SMOLLM2_SHAPE) if model == "smollm2-shape" else ("mistral", {"sliding_window": 24})
+        ours, config = ours_from_hf(tiny_hf_model(kind, **overrides).to(DEVICE), device=DEVICE)
     rng = random.Random(0)
     vocab = config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(3, 90))] for _ in range(8)]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     runs = {}
     for backend in ("torch", "triton"):
-        monkeypatch.setenv("LORAPLEX_ATTENTION_BACKEND", backend)
+        monkeypatch.setenv("LORAPLEX_ATTENTION_BACKEND", backend)  # read when the engine's runner is made
         engine = engine_for(ours, config, device=DEVICE)
         assert type(engine.runner.backend).__name__.lower().startswith(backend)
         runs[backend] = [r.token_ids for r in engine.generate(prompts, params)]
