@@ -142,7 +142,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--random-shape", choices=["135m", "8b"], default=None,
                    help="a random-weight model of SmolLM2-135M's or Llama-3.1-8B's shape instead (GPU); prompts are a "
                         "random 32-token segment said four times; EOS ignored. Only the 135M shape carries such a "
-                        "loop on (its tied head echoes its input): the 8B shape gives no drafts, only their cost")
+                        "loop on: the 8B shape gives no drafts, only their cost")
     p.add_argument("--layers", type=int, default=32, help="--random-shape 8b: layers")
     p.add_argument("--device", default=None)
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
