@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--op-only", action="store_true", help="the attention op alone, no end-to-end run")
     args = p.parse_args(argv)
     print(f"{torch.cuda.get_device_name()}; load average {os.getloadavg()[0]:.2f}")
     print("| rows x context | torch decode | triton decode | speed-up | triton K/V bandwidth |")
@@ -90,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         triton_s = time_op(lambda: TritonAttentionBackend()._decode(layer, q, k, v, md, 0))
         print(f"| {rows} x {context} | {torch_s * 1e6:.0f} us | {triton_s * 1e6:.0f} us | {torch_s / triton_s:.2f}x | "
               f"{kv_bytes / triton_s / 1e9:.0f} GB/s |")
+    if args.op_only:
+        return 0
     loaded = llama_8b(torch.device("cuda"), args.layers)
     # Each backend twice, taking turns (the first run of a process pays for warming up what prefill did not).
     rates = {}

@@ -295,14 +295,15 @@ class TritonAttentionBackend(TorchAttentionBackend):
         group = md.decode_groups[g]
         slopes = layer.alibi_on(q.device) if layer.alibi_slopes is not None else None
         return paged_decode(q.contiguous(), key_cache, value_cache, md.block_tables[group.seqs], group.seq_lens,
-                            layer.scale, layer.sliding_window, slopes)
+                            layer.scale, layer.sliding_window, slopes, group.max_len)
 
 
 def default_backend(device: torch.device) -> AttentionBackend:
     """The torch reference, unless LORAPLEX_ATTENTION_BACKEND=triton on CUDA with Triton installed. Not the
-    default yet: the kernel matches the reference, but one program per (row, KV head) walking the context alone
-    is slower than gather + SDPA (python -m benchmarks.paged_decode on the H200: 0.45x-0.88x per call); it
-    needs the context split across programs (flash-decoding) and tensor-core dots first."""
+    default yet: the kernel matches the reference but is slower than gather + SDPA (python -m
+    benchmarks.paged_decode on the H200: 0.5x-0.9x per call, ~500 GB/s at 32 x 4096). Splitting the context
+    across programs did not change that: its score and value products are broadcast multiplies reduced on CUDA
+    cores; they need tensor-core dots (tl.dot, query heads padded to 16) first."""
     if device.type != "cuda" or os.environ.get("LORAPLEX_ATTENTION_BACKEND", "torch") != "triton":
         return TorchAttentionBackend()
     try:

@@ -1,9 +1,10 @@
 """Paged-attention decode in Triton: each decode row's query attends to its sequence's keys and values where they
 lie in the paged KV cache, block by block through its block table, with no gather into a padded copy.
 
-One program per (decode row, KV head): the query heads that share the KV head (GQA) are computed together, so
-each key and value block is read from memory once per row. Scores and the running softmax (online, as
-FlashAttention's) are kept in float32. Score modifiers as `PagedAttention` defines them: a sliding window (keys
+One program per (decode row, KV head, split of the context): the query heads that share the KV head (GQA) are
+computed together, so each key and value block is read from memory once per row, and the context is split
+across programs (flash-decoding) so that even one row keeps the whole GPU reading. Each split keeps its own
+running softmax in float32 (online, as FlashAttention's); the splits' partial results are merged after. Score modifiers as `PagedAttention` defines them: a sliding window (keys
 more than `window` positions back are hidden) and ALiBi slopes (`slope[h] * (key_pos - query_pos)` added to the
 scaled scores). The torch backend's `_decode` is the reference (tests/gpu/test_gpu_paged_decode.py).
 """
@@ -19,17 +20,19 @@ NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any sequen
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, slopes_ptr, out_ptr,
-    scale, window,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, slopes_ptr, acc_ptr, ml_ptr,
+    scale, window, blocks_per_split,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_tb,
-    stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    num_heads = tl.num_programs(1) * GROUP
     heads = kv_head * GROUP + tl.arange(0, GROUP_P)  # the query heads of this KV head
     head_ok = tl.arange(0, GROUP_P) < GROUP
     dims = tl.arange(0, DIM_P)
@@ -44,10 +47,12 @@ def _paged_decode_kernel(
         slopes = tl.load(slopes_ptr + heads, mask=head_ok, other=0.0)
 
     first_key = tl.maximum(seq_len - window, 0)  # `window` is huge when there is none
+    begin = tl.maximum(split * blocks_per_split, first_key // BLOCK_SIZE)
+    end = tl.minimum((split + 1) * blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
     m = tl.full([GROUP_P], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, DIM_P], tl.float32)
-    for b in range(first_key // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)):
+    for b in range(begin, end):
         block = tl.load(block_tables_ptr + row * stride_tb + b)
         key_pos = b * BLOCK_SIZE + slots
         visible = (key_pos < seq_len) & (key_pos >= first_key)
@@ -65,32 +70,50 @@ def _paged_decode_kernel(
         l = l * correction + tl.sum(p, axis=1)
         acc = acc * correction[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    out = acc / l[:, None]
-    tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
+    # This split's unnormalised output and its (max, sum): [rows, heads, splits, ...]; a split without keys
+    # leaves m = -inf, l = 0, which the merge weighs by zero.
+    part = (row * num_heads + heads) * num_splits + split
+    tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_ok[:, None] & dim_ok[None, :])
+    tl.store(ml_ptr + part * 2, m, mask=head_ok)
+    tl.store(ml_ptr + part * 2 + 1, l, mask=head_ok)
+
+
+# Enough programs to keep every SM of a large GPU reading (the H200 has 132), and splits of at least this many
+# blocks (a split's fixed cost is loading its query and writing its partial result).
+TARGET_PROGRAMS = 8192
+MIN_BLOCKS_PER_SPLIT = 2
 
 
 def paged_decode(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of decode queries q [B, H, D] over their cached keys/values ([num_blocks, block_size, Hkv, D]),
-    sequence i's blocks listed in block_tables[i] and its length (the query's position + 1) in seq_lens[i]."""
+    sequence i's blocks listed in block_tables[i] and its length (the query's position + 1) in seq_lens[i];
+    `max_seq_len`: the longest (default: the block table's width)."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     assert num_heads % num_kv_heads == 0 and key_cache.stride(3) == 1 and q.stride(2) == 1
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    max_blocks = -(-max_seq_len // block_size) if max_seq_len else block_tables.shape[1]
+    splits = max(1, min(-(-TARGET_PROGRAMS // (batch * num_kv_heads)), max_blocks // MIN_BLOCKS_PER_SPLIT))
+    blocks_per_split = -(-max_blocks // splits)
+    splits = -(-max_blocks // blocks_per_split)
+    acc = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    ml = torch.empty(batch, num_heads, splits, 2, dtype=torch.float32, device=q.device)
     slopes = alibi_slopes if alibi_slopes is not None else q.new_empty(0, dtype=torch.float32)
-    _paged_decode_kernel[(batch, num_kv_heads)](
-        q, key_cache, value_cache, block_tables, seq_lens, slopes, out,
-        scale, sliding_window or NO_WINDOW,
+    _paged_decode_kernel[(batch, num_kv_heads, splits)](
+        q, key_cache, value_cache, block_tables, seq_lens, slopes, acc, ml,
+        scale, sliding_window or NO_WINDOW, blocks_per_split,
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_P=triton.next_power_of_2(head_dim), GROUP=group,
         GROUP_P=max(2, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HAS_ALIBI=alibi_slopes is not None,
     )
-    return out
+    m, l = ml[..., 0], ml[..., 1]
+    weight = torch.exp(m - m.amax(dim=2, keepdim=True))  # [B, H, splits]; 0 for splits without keys
+    out = (acc * weight[..., None]).sum(dim=2) / (l * weight).sum(dim=2)[..., None]
+    return out.to(q.dtype)
