@@ -300,10 +300,10 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
 def default_backend(device: torch.device) -> AttentionBackend:
     """The torch reference, unless LORAPLEX_ATTENTION_BACKEND=triton on CUDA with Triton installed. Not the
-    default yet: the kernel matches the reference but is slower than gather + SDPA (python -m
-    benchmarks.paged_decode on the H200: 0.5x-0.9x per call, ~500 GB/s at 32 x 4096). Splitting the context
-    across programs did not change that: its score and value products are broadcast multiplies reduced on CUDA
-    cores; they need tensor-core dots (tl.dot, query heads padded to 16) first."""
+    default yet: the kernel matches the reference and is faster on long batched contexts (python -m
+    benchmarks.paged_decode --op-only on the H200: 1.95x at 32 rows x 4096, 2.0 TB/s; 1.07x at 32 x 1024), but
+    a call costs more host time (Triton's launcher, the splits' merge in torch): 0.69x for one row of 1024,
+    where the host, not the GPU, sets the pace. CUDA graphs (issue 13) remove that cost for both."""
     if device.type != "cuda" or os.environ.get("LORAPLEX_ATTENTION_BACKEND", "torch") != "triton":
         return TorchAttentionBackend()
     try:

@@ -2,7 +2,8 @@
 lie in the paged KV cache, block by block through its block table, with no gather into a padded copy.
 
 One program per (decode row, KV head, split of the context): the query heads that share the KV head (GQA) are
-computed together, so each key and value block is read from memory once per row, and the context is split
+computed together (padded to 16 rows: the scores and the weighted values are tensor-core dots over 64 keys, four
+16-token blocks, at a time; float32 inputs use exact float32 dots), so each key and value block is read once per row, and the context is split
 across programs (flash-decoding) so that even one row keeps the whole GPU reading. Each split keeps its own
 running softmax in float32 (online, as FlashAttention's); the splits' partial results are merged after. Score modifiers as `PagedAttention` defines them: a sliding window (keys
 more than `window` positions back are hidden) and ALiBi slopes (`slope[h] * (key_pos - query_pos)` added to the
@@ -26,41 +27,44 @@ def _paged_decode_kernel(
     stride_kb, stride_kt, stride_kh,
     stride_tb,
     HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     num_heads = tl.num_programs(1) * GROUP
-    heads = kv_head * GROUP + tl.arange(0, GROUP_P)  # the query heads of this KV head
+    heads = kv_head * GROUP + tl.arange(0, GROUP_P)  # the query heads of this KV head, padded for the dots
     head_ok = tl.arange(0, GROUP_P) < GROUP
     dims = tl.arange(0, DIM_P)
     dim_ok = dims < HEAD_DIM
-    slots = tl.arange(0, BLOCK_SIZE)
+    tokens = tl.arange(0, TOKENS)  # several blocks' tokens per iteration
 
     seq_len = tl.load(seq_lens_ptr + row)
     query_pos = seq_len - 1
     q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                mask=head_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
     if HAS_ALIBI:
         slopes = tl.load(slopes_ptr + heads, mask=head_ok, other=0.0)
 
     first_key = tl.maximum(seq_len - window, 0)  # `window` is huge when there is none
-    begin = tl.maximum(split * blocks_per_split, first_key // BLOCK_SIZE)
-    end = tl.minimum((split + 1) * blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
+    begin = tl.maximum(split * blocks_per_split * BLOCK_SIZE, first_key // TOKENS * TOKENS)
+    end = tl.minimum((split + 1) * blocks_per_split * BLOCK_SIZE, seq_len)
     m = tl.full([GROUP_P], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, DIM_P], tl.float32)
-    for b in range(begin, end):
-        block = tl.load(block_tables_ptr + row * stride_tb + b)
-        key_pos = b * BLOCK_SIZE + slots
+    for start in range(begin, end, TOKENS):
+        key_pos = start + tokens
         visible = (key_pos < seq_len) & (key_pos >= first_key)
-        offsets = block * stride_kb + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
+        block = tl.load(block_tables_ptr + row * stride_tb + key_pos // BLOCK_SIZE, mask=visible, other=0)
+        offsets = block[:, None] * stride_kb + (key_pos % BLOCK_SIZE)[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
         kv_mask = visible[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_P, BLOCK_SIZE]
+        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GROUP_P, TOKENS]
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
         if HAS_ALIBI:
             scores += slopes[:, None] * (key_pos - query_pos).to(tl.float32)[None, :]
         scores = tl.where(visible[None, :], scores, float("-inf"))
@@ -68,7 +72,10 @@ def _paged_decode_kernel(
         correction = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         l = l * correction + tl.sum(p, axis=1)
-        acc = acc * correction[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if IEEE:
+            acc = acc * correction[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     # This split's unnormalised output and its (max, sum): [rows, heads, splits, ...]; a split without keys
     # leaves m = -inf, l = 0, which the merge weighs by zero.
@@ -80,8 +87,9 @@ def _paged_decode_kernel(
 
 # Enough programs to keep every SM of a large GPU reading (the H200 has 132), and splits of at least this many
 # blocks (a split's fixed cost is loading its query and writing its partial result).
-TARGET_PROGRAMS = 8192
-MIN_BLOCKS_PER_SPLIT = 2
+TARGET_PROGRAMS = 4096
+MIN_BLOCKS_PER_SPLIT = 4
+TOKENS_PER_STEP = 64  # keys per iteration: four 16-token blocks, one tensor-core dot each way
 
 
 def paged_decode(
@@ -98,7 +106,8 @@ def paged_decode(
     group = num_heads // num_kv_heads
     max_blocks = -(-max_seq_len // block_size) if max_seq_len else block_tables.shape[1]
     splits = max(1, min(-(-TARGET_PROGRAMS // (batch * num_kv_heads)), max_blocks // MIN_BLOCKS_PER_SPLIT))
-    blocks_per_split = -(-max_blocks // splits)
+    per_step = TOKENS_PER_STEP // block_size
+    blocks_per_split = -(-max_blocks // splits // per_step) * per_step  # whole iterations per split
     splits = -(-max_blocks // blocks_per_split)
     acc = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(batch, num_heads, splits, 2, dtype=torch.float32, device=q.device)
@@ -110,8 +119,8 @@ def paged_decode(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),
         HEAD_DIM=head_dim, DIM_P=triton.next_power_of_2(head_dim), GROUP=group,
-        GROUP_P=max(2, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-        HAS_ALIBI=alibi_slopes is not None,
+        GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, TOKENS=TOKENS_PER_STEP,
+        HAS_ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32,
     )
     m, l = ml[..., 0], ml[..., 1]
     weight = torch.exp(m - m.amax(dim=2, keepdim=True))  # [B, H, splits]; 0 for splits without keys
