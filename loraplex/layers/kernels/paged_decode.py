@@ -1,13 +1,14 @@
 """Paged-attention decode in Triton: each decode row's query attends to its sequence's keys and values where they
 lie in the paged KV cache, block by block through its block table, with no gather into a padded copy.
 
-One program per (decode row, KV head, split of the context): the query heads that share the KV head (GQA) are
-computed together (padded to 16 rows: the scores and the weighted values are tensor-core dots over 64 keys, four
-16-token blocks, at a time; float32 inputs use exact float32 dots), so each key and value block is read once per row, and the context is split
-across programs (flash-decoding) so that even one row keeps the whole GPU reading. Each split keeps its own
-running softmax in float32 (online, as FlashAttention's); the splits' partial results are merged after. Score modifiers as `PagedAttention` defines them: a sliding window (keys
-more than `window` positions back are hidden) and ALiBi slopes (`slope[h] * (key_pos - query_pos)` added to the
-scaled scores). The torch backend's `_decode` is the reference (tests/gpu/test_gpu_paged_decode.py).
+One program per (decode row, KV head, split of the context). The query heads that share the KV head (GQA) are
+computed together, padded to 16 rows: scores and weighted values are tensor-core dots over 64 keys (four
+16-token blocks) at a time, exact float32 dots for float32 inputs; so each key and value block is read once per
+row. The context is split across programs (flash-decoding) so that even a few rows keep the GPU reading; each
+split keeps its own running softmax in float32 (online, as FlashAttention's) and the splits are merged after.
+Score modifiers as `PagedAttention` defines them: a sliding window (keys more than `window` positions back are
+hidden) and ALiBi slopes (`slope[h] * (key_pos - query_pos)` added to the scaled scores). The torch backend's
+`_decode` is the reference (tests/gpu/test_gpu_paged_decode.py).
 """
 
 from __future__ import annotations
