@@ -157,6 +157,13 @@ def apply_masks(logits: torch.Tensor, matchers: list) -> None:
     bitmask = lt.allocate_token_bitmask(len(rows), logits.shape[1])
     for j, i in enumerate(rows):
         lt.fill_next_token_bitmask(matchers[i], bitmask, j)
+    mask_rows(logits, rows, bitmask)
+
+
+def mask_rows(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Apply llguidance bitmask row j to logits row rows[j], in place (disallowed tokens become -inf)."""
+    import llguidance.torch as lt
+
     index = torch.tensor(rows, device=logits.device)
     constrained = logits.index_select(0, index)
     lt.apply_token_bitmask_inplace(constrained, bitmask.to(logits.device))

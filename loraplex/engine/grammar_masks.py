@@ -13,6 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from loraplex.structured import mask_rows
+
 
 class GrammarMasks:
     """Starts and applies one step's masks. `vocab_size`: the tokenizer's vocabulary the matchers were built on
@@ -47,13 +49,6 @@ class PendingMasks:
         """Mask `logits` in place: `rows[k]` is the logits row of the k-th matcher given to `start` (None: that
         row was dropped since, e.g. for non-finite logits)."""
         self.future.result()
-        import llguidance.torch as lt
-
         pairs = [(j, rows[k]) for j, k in enumerate(self.rows) if rows[k] is not None]
-        if not pairs:
-            return
-        masks = self.bitmask[[j for j, _ in pairs]].to(logits.device)
-        index = torch.tensor([r for _, r in pairs], device=logits.device)
-        constrained = logits.index_select(0, index)
-        lt.apply_token_bitmask_inplace(constrained, masks)
-        logits.index_copy_(0, index, constrained)
+        if pairs:
+            mask_rows(logits, [r for _, r in pairs], self.bitmask[[j for j, _ in pairs]])
