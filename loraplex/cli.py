@@ -54,6 +54,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=_env("PREFIX_CACHING", True, _truthy),
                    help="share computed KV blocks between requests with the same prompt prefix, adapter and images "
                         "(on by default; outputs are unchanged)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=_env("CUDA_GRAPHS", True, _truthy),
+                   help="on CUDA, replay decode steps as CUDA graphs (on by default; --no-cuda-graphs runs every "
+                        "step eagerly; no effect on CPU)")
     p.add_argument("--speculative-tokens", type=_non_negative, default=_env("SPECULATIVE_TOKENS", 0, _non_negative),
                    help="speculative decoding: up to N tokens per step guessed from each request's own text "
                         "(n-gram lookup) and verified by the model; outputs unchanged (default 0: off)")
@@ -111,6 +114,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         quantize=args.quantize,
         prefix_caching=args.prefix_caching,
         speculative_tokens=args.speculative_tokens,
+        cuda_graphs=args.cuda_graphs,
         max_grammar_bytes=args.max_grammar_bytes,
         grammar_compile_timeout_s=args.grammar_compile_timeout_s,
     )

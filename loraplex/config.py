@@ -578,6 +578,9 @@ class EngineConfig:
     # compile a request may ask for.
     max_grammar_bytes: int = 64 * 1024
     grammar_compile_timeout_s: float = 10.0
+    # CUDA (with Triton): decode steps of up to max_num_seqs (at most 256) requests replay CUDA graphs
+    # (engine/decode_graphs.py). Off: every step runs eagerly (vLLM's --enforce-eager). No effect on CPU.
+    cuda_graphs: bool = True
 
 
 @dataclass(frozen=True)

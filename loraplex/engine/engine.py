@@ -22,7 +22,8 @@ from loraplex.engine.kv_cache import blocks_for
 from loraplex.engine.loading import LoadedModel, load_model
 from loraplex.engine.prefix_cache import root_key
 from loraplex.engine.request import FinishReason, Request, RequestRefused, RequestStatus
-from loraplex.engine.runner import ForcedTokens, ModelRunner, StepResult
+from loraplex.engine.decode_graphs import BATCH_SIZES as GRAPH_BATCH_SIZES
+from loraplex.engine.runner import ForcedTokens, GraphSettings, ModelRunner, StepResult
 from loraplex.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from loraplex.engine.speculative import SpecDecodeCounters, drafts_for
 from loraplex.engine.verification import SampledToken
@@ -66,6 +67,11 @@ class _Stream:
     first_token_time: float | None = None
 
 
+# Of the device's memory, at most this much is kept out of the KV cache for adapters (LoRAX's default
+# --adapter-memory-fraction).
+ADAPTER_MEMORY_FRACTION = 0.1
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.config = config
@@ -92,7 +98,7 @@ class Engine:
                 prefix_caching=config.prefix_caching,
             )
         )
-        self.lora = LoraSlots(loaded.model, config.max_active_adapters, loaded.device, loaded.dtype)
+        self.lora = LoraSlots(loaded.model, config.max_active_adapters, loaded.device, loaded.dtype, config.max_lora_rank)
         # Adapters of the requests in the engine, with how many requests use each.
         self._adapters: dict[str, tuple[LoraAdapter, int]] = {}
         mc = loaded.config
@@ -101,6 +107,8 @@ class Engine:
         self.runner = ModelRunner(
             loaded.model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, config.block_size,
             loaded.device, loaded.dtype, lora=self.lora, forced_tokens=forced, num_state_blocks=num_state_blocks,
+            graphs=GraphSettings(min(config.max_num_seqs, GRAPH_BATCH_SIZES[-1]), self.max_total_tokens)
+            if config.cuda_graphs else None,
         )
         self._streams: dict[str, _Stream] = {}
         self._next_id = 0
@@ -130,14 +138,28 @@ class Engine:
         mc = loaded.config
         bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * loaded.dtype.itemsize
         if loaded.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(loaded.device)
-            budget = free * (cfg.kv_cache_memory_fraction or 0.85)
+            free, total = torch.cuda.mem_get_info(loaded.device)
+            budget = free * (cfg.kv_cache_memory_fraction or 0.85) - self._reserved_bytes(loaded, total)
         else:  # CPU: host memory is shared with everything else; a modest slice, capped
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = min(available * (cfg.kv_cache_memory_fraction or 0.1), CPU_KV_CACHE_CAP_BYTES)
         # At least one longest request.
         tokens = max(cfg.max_total_tokens, int(budget) // bytes_per_token)
         return blocks_for(tokens, cfg.block_size)
+
+    def _reserved_bytes(self, loaded: LoadedModel, total: int) -> int:
+        """CUDA memory kept out of the KV cache: the adapters' slots (every linear at the largest rank, for every
+        slot, at most ADAPTER_MEMORY_FRACTION of the device) and the decode graphs' activations and logits (at
+        their largest batch, counted in float32 to be safe)."""
+        cfg, mc = self.config, loaded.config
+        linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+        per_slot = sum(m.in_features + m.out_features for m in linears) * cfg.max_lora_rank * loaded.dtype.itemsize
+        adapters = min(cfg.max_active_adapters * per_slot, int(ADAPTER_MEMORY_FRACTION * total))
+        graphs = 0
+        if cfg.cuda_graphs:
+            row = mc.vocab_size + 4 * mc.intermediate_size + 8 * mc.hidden_size + 64 * mc.num_heads * mc.head_dim
+            graphs = min(cfg.max_num_seqs, GRAPH_BATCH_SIZES[-1]) * row * 4
+        return adapters + graphs
 
     # ---- requests -------------------------------------------------------------------------------
 

@@ -14,20 +14,24 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from loraplex.engine.decode_graphs import DecodeGraphs
 from loraplex.engine.grammar_masks import GrammarMasks, PendingMasks
 from loraplex.engine.images import ImageFeatures, VisionCounters, step_input_embeds
 from loraplex.engine.scheduler import ScheduledRequest
 from loraplex.engine.verification import SampledToken, apply_grammar_masks, sample_verified
-from loraplex.layers.attention import AttentionBackend, default_backend
+from loraplex.layers.attention import AttentionBackend, TritonAttentionBackend, default_backend
 from loraplex.layers.forward_context import (
     AttentionMetadata,
     DecodeGroup,
     EncoderMetadata,
     ForwardContext,
     LoraRows,
+    LoraRowSlots,
+    LoraSegment,
     forward_context,
     lora_segments,
 )
+from loraplex.layers.kernels import triton_available
 from loraplex.lora.layers import LoraSlots
 from loraplex.sampling import Sampler, token_logprobs
 
@@ -60,6 +64,14 @@ class _Batch:
     encoder_positions: torch.Tensor | None = None
     # The step's sequences whose states are made this step (their encoder or image encoder runs).
     encoding: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    """Decode steps of up to `max_batch` sequences, each at most `max_seq_len` tokens long, run as CUDA graphs."""
+
+    max_batch: int
+    max_seq_len: int
 
 
 @dataclass(frozen=True)
@@ -111,6 +123,7 @@ class ModelRunner:
         self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
         block_size: int, device: torch.device, dtype: torch.dtype, backend: AttentionBackend | None = None,
         lora: LoraSlots | None = None, forced_tokens: ForcedTokens | None = None, num_state_blocks: int = 0,
+        graphs: GraphSettings | None = None,
     ) -> None:
         self.model = model
         self.lora = lora  # the engine's device slots (None: no adapters)
@@ -122,8 +135,12 @@ class ModelRunner:
         state_layers = set(getattr(model, "state_layers", ())) if num_state_blocks else set()
         self.token_layers = [i for i in range(num_layers) if i not in state_layers]
         self.state_layers = sorted(state_layers)
+        # Decode steps in CUDA graphs (decode_graphs.py) where the model and the device allow them. Their
+        # padding rows write into one more block than the scheduler hands out.
+        graphed = (graphs is not None and triton_available(device) and isinstance(self.backend, TritonAttentionBackend)
+                   and not hasattr(model, "encode") and not hasattr(model, "image_states"))
         caches = dict(zip(self.token_layers, self.backend.allocate_kv_cache(
-            len(self.token_layers), num_blocks, block_size, num_kv_heads, head_dim, dtype, device
+            len(self.token_layers), num_blocks + graphed, block_size, num_kv_heads, head_dim, dtype, device
         )))
         if self.state_layers:
             caches.update(zip(self.state_layers, self.backend.allocate_kv_cache(
@@ -144,6 +161,13 @@ class ModelRunner:
         )
         self.forced_tokens = forced_tokens or ForcedTokens()
         self.grammar_masks: GrammarMasks | None = None  # set by the engine once a request has a grammar
+        self.decode_graphs = (
+            DecodeGraphs(model, self.backend, self.kv_caches, lora, graphs.max_batch, graphs.max_seq_len, block_size,
+                         scratch_block=num_blocks, device=device)
+            if graphed else None
+        )
+        # On CUDA, short adapter segments (decode) take the per-row Triton kernels rather than the stacked form.
+        self.per_row_lora = lora is not None and triton_available(device)
 
     @property
     def takes_images(self) -> bool:
@@ -173,6 +197,8 @@ class ModelRunner:
         return by_position
 
     def _execute(self, scheduled: list[ScheduledRequest]) -> list[StepResult]:
+        if self._graphable(scheduled):
+            return self._execute_graphed(scheduled)
         batch = self._build_batch(scheduled)
         slots = [item.request.adapter_slot for item in scheduled]
         starts = batch.metadata.query_start_loc
@@ -196,6 +222,25 @@ class ModelRunner:
                     results[i].prompt_logprobs = self._prompt_logprobs(item, hidden[starts[i] : starts[i + 1]], lora)
         return results
 
+    def _graphable(self, scheduled: list[ScheduledRequest]) -> bool:
+        """Whether this step runs as a CUDA graph: every request decodes one token (no prefill, no drafts)."""
+        graphs = self.decode_graphs
+        return (graphs is not None and len(scheduled) <= graphs.max_batch
+                and all(item.num_new_tokens == 1 and item.completes_sequence and not item.num_drafts
+                        for item in scheduled))
+
+    def _execute_graphed(self, scheduled: list[ScheduledRequest]) -> list[StepResult]:
+        requests = [item.request for item in scheduled]
+        masks = self.grammar_masks.start([r.grammar for r in requests]) if self.grammar_masks else None
+        positions = [r.num_computed_tokens for r in requests]
+        logits = self.decode_graphs.run(
+            [r.token_slice(p, p + 1)[0] for r, p in zip(requests, positions)], positions,
+            [r.block_ids for r in requests], [r.adapter_slot for r in requests],
+        )
+        results = [StepResult() for _ in scheduled]
+        self._sample_logits(scheduled, list(range(len(scheduled))), [1] * len(scheduled), logits, results, masks)
+        return results
+
     def _sample(
         self, scheduled: list[ScheduledRequest], seqs: list[int], hidden: torch.Tensor, starts: list[int],
         lora: LoraRows | None, results: list[StepResult], masks: PendingMasks | None = None,
@@ -206,6 +251,13 @@ class ModelRunner:
         rows = [row for i, c in zip(seqs, counts) for row in range(starts[i + 1] - c, starts[i + 1])]
         self._set_logits_rows(lora, [scheduled[i].request.adapter_slot for i in seqs], counts)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        self._sample_logits(scheduled, seqs, counts, logits, results, masks)
+
+    def _sample_logits(
+        self, scheduled: list[ScheduledRequest], seqs: list[int], counts: list[int], logits: torch.Tensor,
+        results: list[StepResult], masks: PendingMasks | None,
+    ) -> None:
+        """Sample `seqs` from their logits rows (`counts[i]` rows for sequence seqs[i], in order)."""
         started = seqs
         logits, seqs = self._drop_non_finite(logits, seqs, counts, results)
         requests = [scheduled[i].request for i in seqs]
@@ -314,9 +366,20 @@ class ModelRunner:
         lora = LoraRows(tokens=segments, logits=[], weights=self.lora.tables, dtype=self.lora.dtype)
         # Each adapter's group is padded to the longest: cap the longest, which bounds the padding.
         if len(segments) > 1 and max(s.end - s.start for s in segments) <= self.stacked_rows_per_segment:
+            if self.per_row_lora:
+                lora.row_slots["tokens"] = self._row_slots(segments, sum(row_counts))
+                return lora
             lora.stack = self.lora.stack(tuple(sorted({s.slot for s in segments})))
             lora.groups["tokens"] = lora.stack.groups(segments, self.device)
         return lora
+
+    def _row_slots(self, segments: list[LoraSegment], num_rows: int) -> LoraRowSlots:
+        """Each token row's adapter slot (-1: the base model) for the per-row kernels."""
+        slots = [-1] * num_rows
+        for segment in segments:
+            slots[segment.start : segment.end] = [segment.slot] * (segment.end - segment.start)
+        tensor = torch.tensor(slots, dtype=torch.long, device=self.device)
+        return LoraRowSlots(tensor, self.lora.pointers, self.lora.pointers.targeted, self.lora.max_rank)
 
     def _set_logits_rows(self, lora: LoraRows | None, slots: list[int | None], row_counts: list[int]) -> None:
         """Before each compute_logits call: which of the rows handed to it use which adapter."""

@@ -294,20 +294,18 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
         group = md.decode_groups[g]
         slopes = layer.alibi_on(q.device) if layer.alibi_slopes is not None else None
-        return paged_decode(q.contiguous(), key_cache, value_cache, md.block_tables[group.seqs], group.seq_lens,
+        tables = md.block_tables if group.in_order else md.block_tables[group.seqs]
+        return paged_decode(q.contiguous(), key_cache, value_cache, tables, group.seq_lens,
                             layer.scale, layer.sliding_window, slopes, group.max_len)
 
 
 def default_backend(device: torch.device) -> AttentionBackend:
-    """The torch reference, unless LORAPLEX_ATTENTION_BACKEND=triton on CUDA with Triton installed. Not the
-    default yet: the kernel matches the reference and is faster on long batched contexts (python -m
-    benchmarks.paged_decode --op-only on the H200: 1.95x at 32 rows x 4096, 2.0 TB/s; 1.07x at 32 x 1024), but
-    a call costs more host time (Triton's launcher, the splits' merge in torch): 0.69x for one row of 1024,
-    where the host, not the GPU, sets the pace. CUDA graphs (issue 13) remove that cost for both."""
-    if device.type != "cuda" or os.environ.get("LORAPLEX_ATTENTION_BACKEND", "torch") != "triton":
-        return TorchAttentionBackend()
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    """On CUDA with Triton, the Triton backend (decode reads the paged cache in place; CUDA graphs need it); the
+    torch reference elsewhere, or when LORAPLEX_ATTENTION_BACKEND=torch. Outside a graph a kernel call costs more
+    host time than the torch decode (python -m benchmarks.paged_decode --op-only on the H200: 0.69x for one row of
+    1024, 1.95x at 32 rows x 4096), which CUDA graphs remove."""
+    from loraplex.layers.kernels import triton_available
+
+    if not triton_available(device) or os.environ.get("LORAPLEX_ATTENTION_BACKEND", "triton") == "torch":
         return TorchAttentionBackend()
     return TritonAttentionBackend()

@@ -21,6 +21,8 @@ class DecodeGroup:
     rows: torch.Tensor  # [G] int64 token rows
     seq_lens: torch.Tensor  # [G] int64
     max_len: int
+    # Every sequence of the step, in order (seqs == rows == 0..G-1): the block tables need no gather.
+    in_order: bool = False
 
 
 @dataclass
@@ -102,6 +104,17 @@ class LoraGroups:
 
 
 @dataclass
+class LoraRowSlots:
+    """The per-row LoRA form (lora/kernels/rows.py): each row's slot, -1 for none (`slots` [T] int32), the
+    engine's slot tables (a `SlotPointers`) and the layers some slot's adapter targets (the others add nothing)."""
+
+    slots: torch.Tensor
+    tables: Any
+    layers: frozenset[str]
+    max_rank: int
+
+
+@dataclass
 class LoraRows:
     """Which rows use which adapter, per kind of row a LoRA-wrapped linear sees.
 
@@ -125,6 +138,9 @@ class LoraRows:
     # stack's groups. None: use the segments.
     stack: Any = None
     groups: dict[str, LoraGroups] = field(default_factory=dict)
+    # On CUDA, for steps of short segments (decode) and CUDA graphs: per row kind, each row's slot (the per-row
+    # form, which takes precedence over the stack and the segments).
+    row_slots: dict[str, LoraRowSlots] = field(default_factory=dict)
     # The dtype the adapter weights hold (the model's compute dtype); an input in another dtype (a layer
     # kept in float32) has its delta computed in this one. None: the input's dtype.
     dtype: torch.dtype | None = None

@@ -22,7 +22,7 @@ from torch import nn
 
 from loraplex.layers.forward_context import LoraGroups, LoraSegment, current_lora_rows
 from loraplex.lora.adapter import BaseShapes, LoraAdapter, LoraWeights
-from loraplex.lora.kernels import add_lora, add_lora_stacked
+from loraplex.lora.kernels import SlotPointers, add_lora, add_lora_stacked
 from loraplex.quantization import dequantized_weight
 
 # Which rows a LoRA-wrapped linear sees (DESIGN.md 7), by its module path: the output head sees the rows
@@ -85,6 +85,13 @@ class LoraLinear(nn.Module):
 
     def _add(self, out: torch.Tensor, x: torch.Tensor, rows) -> torch.Tensor:
         """`out` plus, row by row, the delta of the row's own adapter (in place)."""
+        per_row = rows.row_slots.get(self.row_kind)
+        if per_row is not None:
+            if self.name not in per_row.layers:
+                return out
+            from loraplex.lora.kernels.bgmv import add_lora_rows  # Triton: CUDA only
+
+            return add_lora_rows(out, x, per_row.slots, per_row.tables, self.name, per_row.max_rank)
         groups = rows.groups.get(self.row_kind) if rows.stack is not None else None
         if groups is not None:
             stacked = rows.stack.layers.get(self.name)
@@ -119,11 +126,13 @@ def wrap_linears(model: nn.Module) -> dict[str, LoraLinear]:
 class LoraSlots:
     """One engine's device slots: for each LoRA layer, the weights of the adapter in each slot."""
 
-    def __init__(self, model: nn.Module, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.num_slots, self.device, self.dtype = num_slots, device, dtype
+    def __init__(self, model: nn.Module, num_slots: int, device: torch.device, dtype: torch.dtype, max_rank: int = 64) -> None:
+        self.num_slots, self.device, self.dtype, self.max_rank = num_slots, device, dtype, max_rank
         self.layers = wrap_linears(model)
         self.tables: dict[str, list[LoraWeights | None]] = {name: [None] * num_slots for name in self.layers}
         self.occupant: list[str | None] = [None] * num_slots
+        # Where each slot's weights live, for the per-row kernels (kept in step with `tables` by `install`).
+        self.pointers = SlotPointers(list(self.layers), num_slots, device)
         self._stack: tuple[tuple[int, ...], Stack] | None = None  # the last one built, until an install
 
     @property
@@ -135,9 +144,11 @@ class LoraSlots:
         """Put `adapter` in `slot` (replacing whatever was there), on the model's device and dtype."""
         unknown = set(adapter.modules) - set(self.tables)
         assert not unknown, f"adapter {adapter.adapter_id} targets modules the model lacks: {sorted(unknown)[:3]}"
+        assert adapter.max_rank <= self.max_rank, f"adapter {adapter.adapter_id} has rank {adapter.max_rank} > {self.max_rank}"
         for name, table in self.tables.items():
             weights = adapter.modules.get(name)
-            table[slot] = None if weights is None else weights.to(self.device, self.dtype)
+            table[slot] = None if weights is None else weights.to(self.device, self.dtype).for_kernels()
+        self.pointers.set_slot(slot, {name: table[slot] for name, table in self.tables.items()})
         self.occupant[slot] = adapter.adapter_id
         self._stack = None
 

@@ -90,6 +90,9 @@ def _paged_decode_kernel(
 # blocks (a split's fixed cost is loading its query and writing its partial result).
 TARGET_PROGRAMS = 4096
 MIN_BLOCKS_PER_SPLIT = 4
+# At most this many splits: their partial results are written and merged whether or not they hold keys, and a
+# CUDA graph's block tables are as wide as the longest sequence allowed, however short the step's sequences.
+MAX_SPLITS = 32
 TOKENS_PER_STEP = 64  # keys per iteration: four 16-token blocks, one tensor-core dot each way
 
 
@@ -106,13 +109,14 @@ def paged_decode(
     assert num_heads % num_kv_heads == 0 and key_cache.stride(3) == 1 and q.stride(2) == 1
     group = num_heads // num_kv_heads
     max_blocks = -(-max_seq_len // block_size) if max_seq_len else block_tables.shape[1]
-    splits = max(1, min(-(-TARGET_PROGRAMS // (batch * num_kv_heads)), max_blocks // MIN_BLOCKS_PER_SPLIT))
+    splits = max(1, min(-(-TARGET_PROGRAMS // (batch * num_kv_heads)), max_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
     per_step = TOKENS_PER_STEP // block_size
     blocks_per_split = -(-max_blocks // splits // per_step) * per_step  # whole iterations per split
     splits = -(-max_blocks // blocks_per_split)
     acc = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(batch, num_heads, splits, 2, dtype=torch.float32, device=q.device)
     slopes = alibi_slopes if alibi_slopes is not None else q.new_empty(0, dtype=torch.float32)
+    assert block_tables.stride(1) == 1, "each row's block ids must be contiguous"
     _paged_decode_kernel[(batch, num_kv_heads, splits)](
         q, key_cache, value_cache, block_tables, seq_lens, slopes, acc, ml,
         scale, sliding_window or NO_WINDOW, blocks_per_split,

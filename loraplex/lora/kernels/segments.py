@@ -1,9 +1,8 @@
-"""Grouped LoRA: add each row's own adapter delta to a linear's output, and nothing else.
+"""Grouped LoRA by segments: add each row's own adapter delta to a linear's output, and nothing else.
 
-`add_lora` is the interface every implementation provides: for each segment of rows sharing an
-adapter, `out[rows] += scale * (x[rows] @ A.T) @ B.T` ("shrink" to rank r, then "expand"). A long
-prefill segment is one pair of matmuls (SGMV-like). Ranks may differ between segments. This is the
-plain PyTorch implementation (CPU and CUDA); faster GPU kernels plug in behind the same signature.
+`add_lora`: for each segment of rows sharing an adapter, `out[rows] += scale * (x[rows] @ A.T) @ B.T`
+("shrink" to rank r, then "expand"). A long prefill segment is one pair of matmuls (SGMV-like). Ranks may
+differ between segments. Plain PyTorch (CPU and CUDA).
 
 `add_lora_stacked` is the same delta for steps of many short segments (decode), in a fixed number of
 calls per module whatever the number of adapters: each adapter's rows are gathered into a group of

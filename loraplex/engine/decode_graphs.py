@@ -1,0 +1,140 @@
+"""CUDA graphs for decode steps: the model's forward pass and its logits, captured once per batch-size bucket and
+replayed, so a decode step costs one graph launch instead of a Python pass over every layer.
+
+A step qualifies when every request computes exactly one token and samples it (no prefill rows, no drafts), the
+model reads no cross-attention states, and it fits the largest bucket. Its rows are padded to the bucket: a
+padding row reads token 0 at position 0, writes its key and value into a scratch block no request owns, and
+attends to that block only; its logits are never read. Every kernel the graph holds reads its shapes from the
+bucket and its data from static tensors (token ids, positions, cache slots, block tables, sequence lengths, each
+row's adapter slot), refilled before each replay:
+
+- attention is the Triton paged decode kernel, over block tables as wide as the longest sequence allowed (rows
+  read their own length's blocks only);
+- LoRA is the per-row form (lora/kernels/rows.py), which finds each slot's weights through tables: installing an
+  adapter in a slot changes what a graph computes without a new capture, whatever its rank (up to the engine's
+  largest). A graph covers the layers some installed adapter targets when it is captured: adapters that target
+  other layers make a graph of their own (most deployments' adapters target the same modules). Steps without
+  adapters replay graphs with no LoRA at all.
+
+Graphs are captured lazily, at a bucket's first step, sharing one memory pool.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from loraplex.layers.forward_context import (
+    AttentionMetadata,
+    DecodeGroup,
+    ForwardContext,
+    LoraRows,
+    LoraRowSlots,
+    forward_context,
+)
+from loraplex.lora.layers import LoraSlots
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+# Rows of the static input table.
+_IDS, _POSITIONS, _SLOTS, _LENS, _ADAPTERS = range(5)
+
+
+class DecodeGraphs:
+    def __init__(
+        self, model: nn.Module, backend, kv_caches: list, lora: LoraSlots | None, max_batch: int, max_seq_len: int,
+        block_size: int, scratch_block: int, device: torch.device,
+    ) -> None:
+        self.model, self.backend, self.kv_caches, self.lora = model, backend, kv_caches, lora
+        self.sizes = [b for b in BATCH_SIZES if b < max_batch] + [min(max_batch, BATCH_SIZES[-1])]
+        self.block_size, self.scratch_block = block_size, scratch_block
+        self.width = -(-max_seq_len // block_size)  # block table columns: the longest sequence's blocks
+        largest = self.sizes[-1]
+        # The static inputs: row k of `_static` is input k for up to `largest` rows, and the block tables; a
+        # bucket's inputs are their first rows.
+        self._static = torch.zeros(_ADAPTERS + 1, largest, dtype=torch.long, device=device)
+        self._tables = torch.zeros(largest, self.width, dtype=torch.long, device=device)
+        self._pad_column = [0, 0, scratch_block * block_size, 1, -1]
+        self._arange = torch.arange(largest, device=device)
+        self._pool = None
+        self._graphs: dict[tuple[int, frozenset[str] | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    @property
+    def num_captured(self) -> int:
+        return len(self._graphs)
+
+    def run(self, input_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
+            adapter_slots: Sequence[int | None]) -> torch.Tensor:
+        """Logits [rows, vocab] of one decode row per sequence (position p writes its key and value at block
+        block_tables[i][p // block_size]); `adapter_slots`: each row's LoRA slot or None."""
+        rows = len(input_ids)
+        bucket = self.sizes[bisect.bisect_left(self.sizes, rows)]
+        adapters = [-1 if s is None else s for s in adapter_slots]
+        layers = None
+        if self.lora is not None and any(s >= 0 for s in adapters):
+            layers = self.lora.pointers.targeted
+        self._fill(bucket, input_ids, positions, block_tables, adapters)
+        key = (bucket, layers)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(bucket, layers)
+        graph, logits = self._graphs[key]
+        graph.replay()
+        return logits[:rows]
+
+    def _fill(self, bucket: int, input_ids, positions, block_tables, adapters) -> None:
+        bs, rows = self.block_size, len(input_ids)
+        slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions)]
+        pad = bucket - rows
+        columns = [list(input_ids), list(positions), slots, [p + 1 for p in positions], adapters]
+        inputs = torch.tensor([c + [v] * pad for c, v in zip(columns, self._pad_column)], dtype=torch.long)
+        # Only the widest row's blocks: columns past it are never read (each row reads up to its length).
+        widest = max(len(t) for t in block_tables)
+        tables = torch.tensor([list(t) + t[-1:] * (widest - len(t)) for t in block_tables]
+                              + [[self.scratch_block] * widest] * pad, dtype=torch.long)
+        self._static[:, :bucket].copy_(inputs)
+        self._tables[:bucket, :widest].copy_(tables)
+
+    def _context(self, bucket: int, layers: frozenset[str] | None) -> ForwardContext:
+        static, rows = self._static, self._arange[:bucket]
+        group = DecodeGroup(rows, rows, static[_LENS, :bucket], self.width * self.block_size, in_order=True)
+        md = AttentionMetadata(
+            slot_mapping=static[_SLOTS, :bucket], block_tables=self._tables[:bucket],
+            seq_lens=[], query_start_loc=list(range(bucket + 1)), decode_groups=[group], prefill_seqs=[],
+        )  # seq_lens: the graph's lengths live on the device only (the decode group's)
+        lora = None
+        if layers is not None:
+            per_row = LoraRowSlots(static[_ADAPTERS, :bucket], self.lora.pointers, layers, self.lora.max_rank)
+            lora = LoraRows(tokens=[], logits=[], weights=self.lora.tables, dtype=self.lora.dtype,
+                            row_slots={"tokens": per_row, "logits": per_row})
+        return ForwardContext(md, self.kv_caches, self.backend, lora)
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        static = self._static
+        hidden = self.model(static[_IDS, :bucket], static[_POSITIONS, :bucket])
+        return self.model.compute_logits(hidden)
+
+    def _capture(self, bucket: int, layers: frozenset[str] | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # The capture runs on the padding rows' inputs (scratch block only): the step's own inputs are written
+        # again after it, and nothing of the capture's run lands in a request's blocks.
+        filled, tables = self._static[:, :bucket].clone(), self._tables[:bucket].clone()
+        self._static[:, :bucket] = torch.tensor(self._pad_column, device=self._static.device)[:, None]
+        self._tables[:bucket] = self.scratch_block
+        ctx = self._context(bucket, layers)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), forward_context(ctx):  # compiles the kernels, warms the allocator
+            self._forward(bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool), forward_context(ctx):
+            logits = self._forward(bucket)
+        self._static[:, :bucket], self._tables[:bucket] = filled, tables
+        return graph, logits

@@ -1,0 +1,68 @@
+"""The per-row LoRA form: each row names its adapter slot, and per-slot tables say where that slot's weights
+live on the device.
+
+`SlotPointers` holds, for every LoRA layer and slot, the addresses of the slot's A [r, in] and B.T [r, out] (each
+dense, row-major, 16-byte aligned: `LoraWeights.for_kernels` lays them out so), its rank (0: the slot's adapter does not target the layer, or the slot is empty) and its scale.
+Installing an adapter rewrites its slot's entries and nothing else: a kernel that reads the tables (and a CUDA
+graph that captured it) sees the new adapter at its next launch, whatever its rank. The tables hold addresses
+only; the owner (`LoraSlots`) keeps the tensors alive while their slot holds them.
+
+`add_lora_rows_reference` is the plain torch definition of the form, from the weights themselves; the Triton
+kernel (`bgmv.py`) must match it.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from loraplex.lora.adapter import LoraWeights
+
+
+class SlotPointers:
+    """Device tables, per layer (in `names` order) and slot: `pointers` [L, S, 2] int64 (A's and B's data
+    pointers), `ranks` [L, S] int32, `scales` [L, S] float32. Host copies are the ones written; `sync` copies
+    them to the device in one go."""
+
+    def __init__(self, names: Sequence[str], num_slots: int, device: torch.device) -> None:
+        self.index = {name: i for i, name in enumerate(names)}
+        self.num_slots = num_slots
+        shape = (len(names), num_slots)
+        self._host = (torch.zeros(*shape, 2, dtype=torch.int64), torch.zeros(shape, dtype=torch.int32),
+                      torch.zeros(shape, dtype=torch.float32))
+        self.pointers, self.ranks, self.scales = (t.to(device) for t in self._host)
+        self.targeted: frozenset[str] = frozenset()  # the layers some slot's adapter targets
+
+    def set_slot(self, slot: int, weights: Mapping[str, LoraWeights | None]) -> None:
+        """Point `slot` at these weights (on the tables' device, contiguous); layers absent or None: rank 0."""
+        pointers, ranks, scales = self._host
+        pointers[:, slot], ranks[:, slot], scales[:, slot] = 0, 0, 0.0
+        for name, w in weights.items():
+            if w is None:
+                continue
+            b_t = w.b.t()
+            assert w.a.is_contiguous() and b_t.is_contiguous(), "the kernels read A and B.T as dense row-major"
+            assert w.a.data_ptr() % 16 == 0 and b_t.data_ptr() % 16 == 0, "the kernels load A and B.T 16 bytes at a time"
+            i = self.index[name]
+            pointers[i, slot, 0], pointers[i, slot, 1] = w.a.data_ptr(), b_t.data_ptr()
+            ranks[i, slot], scales[i, slot] = w.rank, w.scale
+        for device_table, host_table in zip((self.pointers, self.ranks, self.scales), self._host):
+            device_table.copy_(host_table)
+        self.targeted = frozenset(name for name, i in self.index.items() if bool(ranks[i].any()))
+
+    def layer(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One layer's tables: pointers [S, 2], ranks [S], scales [S] (views of the device tables)."""
+        i = self.index[name]
+        return self.pointers[i], self.ranks[i], self.scales[i]
+
+
+def add_lora_rows_reference(
+    out: torch.Tensor, x: torch.Tensor, row_slots: Sequence[int], weights: Sequence[LoraWeights | None]
+) -> torch.Tensor:
+    """out[i] += scale * (x[i] @ A.T) @ B.T with row i's own slot's weights (slot -1 or None weights: nothing)."""
+    for i, slot in enumerate(row_slots):
+        w = weights[slot] if slot >= 0 else None
+        if w is not None:
+            out[i : i + 1].addmm_(x[i : i + 1] @ w.a.t(), w.b.t(), alpha=w.scale)
+    return out
