@@ -8,6 +8,7 @@ attends to that block only; its logits are never read. Every kernel the graph ho
 bucket and its data from static tensors (token ids, positions, cache slots, block tables, sequence lengths, each
 row's adapter slot), refilled before each replay:
 
+- norms, rotary embeddings and gated activations take their fused Triton kernels (layers/kernels/elementwise.py);
 - attention is the Triton paged decode kernel, over block tables as wide as the longest sequence allowed (rows
   read their own length's blocks only);
 - LoRA is the per-row form (lora/kernels/rows.py), which finds each slot's weights through tables: installing an
@@ -35,6 +36,7 @@ from loraplex.layers.forward_context import (
     LoraRowSlots,
     forward_context,
 )
+from loraplex.layers.kernels import graph_warm_up
 from loraplex.lora.layers import LoraSlots
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -128,7 +130,7 @@ class DecodeGraphs:
         ctx = self._context(bucket, layers)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), forward_context(ctx):  # compiles the kernels, warms the allocator
+        with torch.cuda.stream(side), forward_context(ctx), graph_warm_up():  # compiles the kernels, warms the allocator
             self._forward(bucket)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from loraplex.config import RopeConfig
+from loraplex.layers.kernels import fused_kernels_wanted
 
 
 def inverse_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -62,4 +63,8 @@ def apply_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, Hkv, D] rotated by their positions' angles."""
     cos, sin = cos_sin
+    if fused_kernels_wanted(q.device) and q.stride(-1) == 1 and k.stride(-1) == 1:
+        from loraplex.layers.kernels.elementwise import rotary
+
+        return rotary(q, cos, sin), rotary(k, cos, sin)  # one kernel each, the same rounding as below
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

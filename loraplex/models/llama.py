@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.config import ModelConfig
+from loraplex.layers.activation import act_and_mul
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.norms import RMSNorm
 from loraplex.layers.rotary import RotaryEmbedding, apply_rotary
@@ -51,7 +52,7 @@ class LlamaMLP(nn.Module):
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(act_and_mul(self.act, self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -127,7 +127,27 @@ def paged_decode(
         GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, TOKENS=TOKENS_PER_STEP,
         HAS_ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32,
     )
-    m, l = ml[..., 0], ml[..., 1]
-    weight = torch.exp(m - m.amax(dim=2, keepdim=True))  # [B, H, splits]; 0 for splits without keys
-    out = (acc * weight[..., None]).sum(dim=2) / (l * weight).sum(dim=2)[..., None]
-    return out.to(q.dtype)
+    out = torch.empty_like(q)
+    _merge_splits_kernel[(batch, num_heads)](acc, ml, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+                                             DIM_P=triton.next_power_of_2(head_dim), SPLITS=splits,
+                                             SPLITS_P=triton.next_power_of_2(splits))
+    return out
+
+
+@triton.jit
+def _merge_splits_kernel(acc_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr,
+                         SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):
+    """One (row, head): its splits' partial outputs weighed by their softmax mass, as one softmax over all keys.
+    A split without keys has m = -inf and weighs zero."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    part = (row * tl.num_programs(1) + head) * SPLITS + tl.arange(0, SPLITS_P)
+    split_ok = tl.arange(0, SPLITS_P) < SPLITS
+    m = tl.load(ml_ptr + part * 2, mask=split_ok, other=float("-inf"))
+    l = tl.load(ml_ptr + part * 2 + 1, mask=split_ok, other=0.0)
+    weight = tl.exp(m - tl.max(m, axis=0))
+    dims = tl.arange(0, DIM_P)
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None] & (dims < HEAD_DIM)[None, :],
+                  other=0.0)
+    merged = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
+    tl.store(out_ptr + row * stride_ob + head * stride_oh + dims, merged.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)

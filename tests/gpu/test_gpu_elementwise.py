@@ -1,0 +1,60 @@
+"""The fused elementwise kernels (layers/kernels/elementwise.py) against their torch references (CUDA only:
+`python -m pytest tests/gpu`)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    pytest.fail("tests/gpu needs a CUDA device", pytrace=False)
+
+from loraplex.layers.kernels.elementwise import rms_norm, rotary, silu_and_mul  # noqa: E402
+from loraplex.layers.norms import RMSNorm  # noqa: E402
+from loraplex.layers import rotary as rotary_module  # noqa: E402
+
+DEVICE = "cuda"
+# float32: reductions may sum in another order; bfloat16: at most one rounding step apart.
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
+
+
+def reference_rms_norm(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 4096), (37, 576), (5, 9, 64)])
+def test_rms_norm(dtype, shape):
+    x = torch.randn(shape, device=DEVICE).to(dtype) * 3
+    weight = torch.randn(shape[-1], device=DEVICE).to(dtype)
+    got, expected = rms_norm(x, weight, 1e-5), reference_rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+    norm = RMSNorm(shape[-1], 1e-5).to(DEVICE, dtype)
+    norm.weight.data.copy_(weight)
+    torch.testing.assert_close(norm(x), expected, atol=0, rtol=0)  # eager: the torch ops
+    norm(x)  # warm-up before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = norm(x)
+    graph.replay()
+    torch.testing.assert_close(captured, got, atol=0, rtol=0)  # captured: the kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 14336), (64, 1536), (3, 7)])
+def test_silu_and_mul(dtype, shape):
+    gate, up = (torch.randn(shape, device=DEVICE).to(dtype) * 4 for _ in range(2))
+    torch.testing.assert_close(silu_and_mul(gate, up), F.silu(gate) * up, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,dim", [(32, 128), (3, 64), (2, 96)])
+def test_rotary(dtype, heads, dim):
+    from loraplex.config import RopeConfig
+
+    rows = 19
+    embedding = rotary_module.RotaryEmbedding(RopeConfig(theta=10000.0), dim)
+    cos, sin = embedding(torch.arange(1000, 1000 + rows, device=DEVICE), dtype)
+    x = torch.randn(rows, heads * dim, device=DEVICE).to(dtype).view(rows, heads, dim)
+    expected = x * cos + rotary_module._rotate_half(x) * sin
+    torch.testing.assert_close(rotary(x, cos, sin), expected, **TOLERANCE[dtype])
