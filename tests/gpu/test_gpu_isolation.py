@@ -55,7 +55,18 @@ def test_poisoned_adapters_change_no_other_request_on_cuda(form, dtype):
     solo = [engine.generate([p], params, adapters=[a])[0].token_ids for p, a in jobs]
 
     mixed = engine.generate([p for p, _ in jobs] + [jobs[0][0]] * len(bad), params, adapters=[a for _, a in jobs] + bad)
-    assert [o.token_ids for o in mixed[: len(jobs)]] == solo
     assert all(o.error is not None for o in mixed[len(jobs):])
     after = engine.generate([p for p, _ in jobs], params, adapters=[a for _, a in jobs])
-    assert [o.token_ids for o in after] == solo
+    for outputs in (mixed[: len(jobs)], after):
+        assert all(o.error is None for o in outputs), "a poisoned adapter's NaN reached another request"
+    if dtype == torch.float32:
+        assert [o.token_ids for o in mixed[: len(jobs)]] == solo
+        assert [o.token_ids for o in after] == solo
+        return
+    # bfloat16 decode is not batch-invariant (a step's LoRA form and whether it runs as a CUDA graph depend on the
+    # batch, and they round alike but reduce in other orders). So the poisoned batch is compared with the same
+    # batch whose poisoned adapters are their clean originals: its first step has the same rows in the same forms,
+    # so every other request's first token must be the same (after it, the poisoned requests have left).
+    clean = engine.generate([p for p, _ in jobs] + [jobs[0][0]] * len(bad), params,
+                            adapters=[a for _, a in jobs] + good[1:4])
+    assert [o.token_ids[0] for o in mixed[: len(jobs)]] == [o.token_ids[0] for o in clean[: len(jobs)]]

@@ -86,12 +86,12 @@ def _paged_decode_kernel(
     tl.store(ml_ptr + part * 2 + 1, l, mask=head_ok)
 
 
-# Enough programs to keep every SM of a large GPU reading (the H200 has 132), and splits of at least this many
-# blocks (a split's fixed cost is loading its query and writing its partial result).
-TARGET_PROGRAMS = 4096
-MIN_BLOCKS_PER_SPLIT = 4
-# At most this many splits: their partial results are written and merged whether or not they hold keys, and a
-# CUDA graph's block tables are as wide as the longest sequence allowed, however short the step's sequences.
+# Each split covers a fixed span of key positions, at least MIN_SPLIT_TOKENS and enough that there are at most
+# MAX_SPLITS: a row's keys are then split the same way whatever other rows share the call, so its result does not
+# depend on the batch (empty splits weigh exactly zero in the merge). Short spans keep a few rows' GPU busy; the
+# cap bounds the partial results, which are written and merged whether or not a split holds keys (a CUDA graph's
+# block tables are as wide as the longest sequence allowed).
+MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 32
 TOKENS_PER_STEP = 64  # keys per iteration: four 16-token blocks, one tensor-core dot each way
 
@@ -109,9 +109,9 @@ def paged_decode(
     assert num_heads % num_kv_heads == 0 and key_cache.stride(3) == 1 and q.stride(2) == 1
     group = num_heads // num_kv_heads
     max_blocks = -(-max_seq_len // block_size) if max_seq_len else block_tables.shape[1]
-    splits = max(1, min(-(-TARGET_PROGRAMS // (batch * num_kv_heads)), max_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
     per_step = TOKENS_PER_STEP // block_size
-    blocks_per_split = -(-max_blocks // splits // per_step) * per_step  # whole iterations per split
+    blocks_per_split = max(-(-MIN_SPLIT_TOKENS // block_size), -(-max_blocks // MAX_SPLITS))
+    blocks_per_split = -(-blocks_per_split // per_step) * per_step  # whole iterations per split
     splits = -(-max_blocks // blocks_per_split)
     acc = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(batch, num_heads, splits, 2, dtype=torch.float32, device=q.device)
