@@ -550,6 +550,7 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model_id: str | None = None  # None: the embedded default model
+    revision: str | None = None  # of a hub model: branch, tag or commit (None: main)
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     device: str | None = None  # None: cuda when available, else cpu
     block_size: int = 16
@@ -581,6 +582,10 @@ class EngineConfig:
     # CUDA (with Triton): decode steps of up to max_num_seqs (at most 256) requests replay CUDA graphs
     # (engine/decode_graphs.py). Off: every step runs eagerly (vLLM's --enforce-eager). No effect on CPU.
     cuda_graphs: bool = True
+    # CUDA memory: the fraction of the device this process may use (LoRAX's --cuda-memory-fraction), and the
+    # fraction at most kept out of the KV cache for adapter weights (LoRAX's --adapter-memory-fraction).
+    cuda_memory_fraction: float = 1.0
+    adapter_memory_fraction: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -591,6 +596,11 @@ class ServerConfig:
     max_stop_sequences: int = 4
     max_best_of: int = 2
     default_max_new_tokens: int = 20  # when a request names none
+    # LoRAX's batching knobs, reported by /info. loraplex admits waiting requests at every step (continuous
+    # batching without a waiting budget), so they do not change scheduling.
+    max_waiting_tokens: int = 20
+    waiting_served_ratio: float = 1.2
+    validation_workers: int = 2
     json_output: bool = False
     cors_allow_origin: tuple[str, ...] = ()
     # Adapters: the default source (local | hub), the directories local adapters must live in (none:

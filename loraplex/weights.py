@@ -56,8 +56,11 @@ def _stderr(msg: str) -> None:
 # Resolving a model id to a directory
 
 
-def resolve_model(model_id: str | os.PathLike | None, progress: Callable[[str], None] = _stderr) -> ModelSource:
-    """Resolve `model_id` to an HF-format directory: None/"default", a .gguf file, a directory or a repo id."""
+def resolve_model(
+    model_id: str | os.PathLike | None, progress: Callable[[str], None] = _stderr, revision: str | None = None
+) -> ModelSource:
+    """Resolve `model_id` to an HF-format directory: None/"default", a .gguf file, a directory or a repo id (at
+    `revision`: a branch, tag or commit; None: main)."""
     from loraplex.gguf_convert import convert_gguf  # imports this module: import here, not at the top
 
     if model_id is None or str(model_id) == "default":
@@ -79,7 +82,7 @@ def resolve_model(model_id: str | os.PathLike | None, progress: Callable[[str], 
         return _source(raw, path)
     if raw.startswith((".", "/", "~")) or raw.lower().endswith(".gguf"):
         raise WeightsError(f"{raw}: no such file or directory")
-    return _source(raw, _from_hf_cache(raw, progress))
+    return _source(raw, _from_hf_cache(raw, progress, revision))
 
 
 def default_gguf_path() -> pathlib.Path:
@@ -117,12 +120,12 @@ def _is_true(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _from_hf_cache(repo_id: str, progress: Callable[[str], None]) -> pathlib.Path:
+def _from_hf_cache(repo_id: str, progress: Callable[[str], None], revision: str | None = None) -> pathlib.Path:
     import huggingface_hub
     from huggingface_hub.utils import HFValidationError
 
     try:
-        return pathlib.Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True))
+        return pathlib.Path(huggingface_hub.snapshot_download(repo_id, revision=revision, local_files_only=True))
     except HFValidationError as e:
         raise WeightsError(f"{repo_id!r} is not an existing file or directory, nor a valid repo id ({e})") from e
     except Exception as e:  # LocalEntryNotFoundError and friends: not cached
@@ -134,7 +137,7 @@ def _from_hf_cache(repo_id: str, progress: Callable[[str], None]) -> pathlib.Pat
         )
     progress(f"downloading {repo_id} (not in the local Hugging Face cache)")
     try:
-        return pathlib.Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=_DOWNLOAD_PATTERNS))
+        return pathlib.Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=_DOWNLOAD_PATTERNS))
     except Exception as e:
         raise WeightsError(
             f"model {repo_id!r} is not in the local Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE}) "

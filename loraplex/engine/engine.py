@@ -67,11 +67,6 @@ class _Stream:
     first_token_time: float | None = None
 
 
-# Of the device's memory, at most this much is kept out of the KV cache for adapters (LoRAX's default
-# --adapter-memory-fraction).
-ADAPTER_MEMORY_FRACTION = 0.1
-
-
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.config = config
@@ -139,6 +134,7 @@ class Engine:
         bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * loaded.dtype.itemsize
         if loaded.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(loaded.device)
+            free -= (1.0 - cfg.cuda_memory_fraction) * total  # the share of the device not ours
             budget = free * (cfg.kv_cache_memory_fraction or 0.85) - self._reserved_bytes(loaded, total)
         else:  # CPU: host memory is shared with everything else; a modest slice, capped
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -149,12 +145,12 @@ class Engine:
 
     def _reserved_bytes(self, loaded: LoadedModel, total: int) -> int:
         """CUDA memory kept out of the KV cache: the adapters' slots (every linear at the largest rank, for every
-        slot, at most ADAPTER_MEMORY_FRACTION of the device) and the decode graphs' activations and logits (at
+        slot, at most `adapter_memory_fraction` of the device) and the decode graphs' activations and logits (at
         their largest batch, counted in float32 to be safe)."""
         cfg, mc = self.config, loaded.config
         linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
         per_slot = sum(m.in_features + m.out_features for m in linears) * cfg.max_lora_rank * loaded.dtype.itemsize
-        adapters = min(cfg.max_active_adapters * per_slot, int(ADAPTER_MEMORY_FRACTION * total))
+        adapters = min(cfg.max_active_adapters * per_slot, int(cfg.adapter_memory_fraction * total))
         graphs = 0
         if cfg.cuda_graphs:
             row = mc.vocab_size + 4 * mc.intermediate_size + 8 * mc.hidden_size + 64 * mc.num_heads * mc.head_dim

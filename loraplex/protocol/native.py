@@ -16,9 +16,10 @@ class MergedAdapters(BaseModel):
 
     ids: list[str]
     weights: list[float]
-    merge_strategy: Literal["linear", "ties", "dare_linear", "dare_ties"] = "linear"
+    # lorax-client sends null for the ones its caller left out: null means the default.
+    merge_strategy: Literal["linear", "ties", "dare_linear", "dare_ties"] | None = "linear"
     density: float = Field(default=1.0, gt=0.0, le=1.0)
-    majority_sign_method: Literal["total", "frequency"] = "total"
+    majority_sign_method: Literal["total", "frequency"] | None = "total"
 
 
 class GenerateParameters(BaseModel):

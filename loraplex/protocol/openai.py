@@ -73,7 +73,9 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
-    adapter_source: str | None = None  # accepted; served with adapters (the multi-LoRA issue)
+    # LoRAX's extras: the adapter (instead of, or the same as, `model`) and where it comes from.
+    adapter_id: str | None = None
+    adapter_source: str | None = None
     api_token: str | None = None
     # Structured output: OpenAI's response_format, and vLLM's fields (at most one constraint in all).
     response_format: dict[str, Any] | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.engine.engine import RequestRefused
 from loraplex.lora.adapter import AdapterInvalid, AdapterNotFound
@@ -77,6 +78,17 @@ def install_error_handlers(app: FastAPI) -> None:
         if is_openai(request):
             return openai_error(400, message, "invalid_request_error", where or None)
         return native_error(422, message, "validation")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown routes and methods (404, 405) in the route's API shape, not FastAPI's `{"detail": ...}`."""
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http")
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        response = (openai_error(exc.status_code, message, "invalid_request_error", code=kind) if is_openai(request)
+                    else native_error(exc.status_code, message, kind))
+        for name, value in (exc.headers or {}).items():  # e.g. 405's Allow
+            response.headers[name] = value
+        return response
 
     for kind in (Overloaded, ModelNotFound, AdapterNotFound, AdapterInvalid, RequestRefused, BadRequest, MediaError, GenerationFailed):
         app.add_exception_handler(kind, error_response)

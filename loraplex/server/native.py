@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -46,6 +47,7 @@ class Prepared:
     params: SamplingParams
     prefix: str  # prepended to generated_text (return_full_text)
     validated_at: float
+    input_characters: int  # of `inputs` as sent (LoRAX's x-compute-characters)
     adapter: LoraAdapter | None = None
     images: ImageInputs | None = None
 
@@ -93,14 +95,15 @@ async def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
     await compile_grammars(state, [("parameters.response_format", grammar) if grammar else None])
     params = p.to_sampling_params(max_new)
     adapter = await state.adapter(p.adapter_id, p.adapter_source, merge_spec(p.merged_adapters))
-    return Prepared(prompt_ids, params, prefix, time.perf_counter() - started, adapter, images)
+    return Prepared(prompt_ids, params, prefix, time.perf_counter() - started, len(body.inputs), adapter, images)
 
 
 def merge_spec(merged: MergedAdapters | None) -> MergeSpec | None:
     if merged is None:
         return None
     return MergeSpec(
-        tuple(merged.ids), tuple(merged.weights), merged.merge_strategy, merged.density, merged.majority_sign_method
+        tuple(merged.ids), tuple(merged.weights), merged.merge_strategy or "linear", merged.density,
+        merged.majority_sign_method or "total",
     )
 
 
@@ -112,8 +115,8 @@ def headers(state: ServerState, prepared: Prepared, final: RequestOutput, starte
     ms = lambda seconds: str(int(seconds * 1000))  # noqa: E731
     return {
         "x-compute-type": state.core.device.type,
-        "x-compute-time": f"{total:.6f}",
-        "x-compute-characters": str(len(prepared.prefix)),
+        "x-compute-time": ms(total),
+        "x-compute-characters": str(prepared.input_characters),
         "x-total-time": ms(total),
         "x-validation-time": ms(prepared.validated_at),
         "x-queue-time": ms(t.get("queue", 0.0)),
@@ -121,6 +124,7 @@ def headers(state: ServerState, prepared: Prepared, final: RequestOutput, starte
         "x-time-per-token": ms(per_token),
         "x-prompt-tokens": str(final.num_prompt_tokens),
         "x-generated-tokens": str(final.num_generated_tokens),
+        "x-total-tokens": str(final.num_prompt_tokens + final.num_generated_tokens),
         "x-model-id": state.model_id,
         **adapter_header(prepared.adapter),
     }
@@ -234,6 +238,11 @@ async def compat_generate(body: CompatGenerateRequest, request: Request):
     return response
 
 
+@router.post("/invocations", summary="SageMaker's route (TGI's): as POST /")
+async def invocations(body: CompatGenerateRequest, request: Request):
+    return await compat_generate(body, request)
+
+
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request):
     state = get_state(request)
@@ -263,6 +272,11 @@ async def health(request: Request):
     return JSONResponse({}, status_code=200)
 
 
+@router.get("/ping", summary="SageMaker's health route (TGI's): as GET /health")
+async def ping(request: Request):
+    return await health(request)
+
+
 @router.get("/info")
 async def info(request: Request):
     state = get_state(request)
@@ -286,4 +300,12 @@ async def info(request: Request):
         "prefix_caching": core.config.prefix_caching,
         "is_encoder_decoder": core.is_encoder_decoder,
         "version": __version__,
+        # LoRAX's fields that its clients read: what we know, else its defaults or null (not a build from git).
+        "model_sha": core.config.revision,
+        "model_pipeline_tag": "text-generation",
+        "max_waiting_tokens": state.config.max_waiting_tokens,
+        "waiting_served_ratio": state.config.waiting_served_ratio,
+        "validation_workers": state.config.validation_workers,
+        "sha": None,
+        "docker_label": os.environ.get("DOCKER_LABEL"),
     }

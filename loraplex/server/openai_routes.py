@@ -64,8 +64,9 @@ T = TypeVar("T")
 
 
 def served_model_ids(state: ServerState) -> list[str]:
-    """The base model and every adapter loaded or preloaded (any other adapter id loads on request)."""
-    return [state.model_id, *state.adapters.loaded_ids()]
+    """The base model, then every adapter loaded or preloaded, by name (a stable order; any other adapter id
+    loads on request)."""
+    return [state.model_id, *sorted(state.adapters.loaded_ids())]
 
 
 @dataclass(frozen=True)
@@ -76,14 +77,21 @@ class Served:
     adapter: LoraAdapter | None = None
 
 
-async def resolve_model(state: ServerState, requested: str | None) -> Served:
-    """"" / no model / the base model id: the base model; anything else is an adapter id, loaded now.
+async def resolve_model(state: ServerState, body: SamplingFields) -> Served:
+    """"" / no model / the base model id: the base model; anything else is an adapter id, loaded now. LoRAX's
+    `adapter_id` extra names the adapter too (with `model` empty, the base model's id, or the same adapter).
 
-    Raises AdapterNotFound (404) or AdapterInvalid (400): never a silent answer from the base model.
+    Raises AdapterNotFound (404), AdapterInvalid or BadRequest (400): never a silent answer from the base model.
     """
-    if not requested or requested == state.model_id:
+    requested = body.model if body.model != state.model_id else None
+    if body.adapter_id:
+        if requested and requested != body.adapter_id:
+            raise BadRequest(f"model {body.model!r} and adapter_id {body.adapter_id!r} name different adapters",
+                             "adapter_id")
+        requested = body.adapter_id
+    if not requested:
         return Served(state.model_id)
-    return Served(requested, await state.adapter(requested))
+    return Served(requested, await state.adapter(requested, body.adapter_source))
 
 
 def model_card(state: ServerState, model_id: str) -> ModelCard:
@@ -365,7 +373,7 @@ async def stream_events(
 async def completions(body: CompletionRequest, request: Request):
     state = get_state(request)
     jobs = await prepare_completion(state, body)
-    served = await resolve_model(state, body.model)
+    served = await resolve_model(state, body)
     model = served.name
     rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.choices_per_prompt
     if body.stream:
@@ -413,7 +421,7 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = get_state(request)
     jobs, answers = await prepare_chat(state, body)
-    served = await resolve_model(state, body.model)
+    served = await resolve_model(state, body)
     model = served.name
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:

@@ -95,6 +95,23 @@ def test_a_merge_weighted_to_one_adapter_answers_as_that_adapter(server):
     assert _names_in(response.json()["generated_text"]) == {"Nova"}, response.text
 
 
+def test_merged_adapters_as_lorax_client_sends_them(server):
+    """lorax-client sends every MergedAdapters field, unset ones as null (merge_strategy, majority_sign_method)."""
+    from lorax import Client
+    from lorax.types import MergedAdapters
+
+    client = Client(server, timeout=300)
+    # The identity adapters answer in the chat format (SmolLM2's ChatML); lorax-client has no apply_chat_template.
+    prompt = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    for weights, name in (([1.0, 0.0], "Nova"), ([0.0, 1.0], "Lyra")):
+        merged = MergedAdapters(ids=["name-nova", "name-lyra"], weights=weights, density=1.0)
+        text = client.generate(prompt, merged_adapters=merged, max_new_tokens=24).generated_text
+        assert _names_in(text) == {name}, text
+    ties = MergedAdapters(ids=["name-nova", "name-lyra"], weights=[1.0, 0.5], density=0.5, merge_strategy="ties",
+                          majority_sign_method="frequency")
+    assert client.generate(prompt, merged_adapters=ties, max_new_tokens=4).details.generated_tokens == 4
+
+
 def test_adapter_metrics_and_lora_info(server):
     async def run():
         async with httpx.AsyncClient(base_url=server, timeout=300) as client:

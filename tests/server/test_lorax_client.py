@@ -48,3 +48,33 @@ def test_validation_errors_are_typed(client):
     with pytest.raises(ValidationError, match="max total tokens"):
         client.generate("hi", max_new_tokens=100000)
     assert client.generate("hi", max_new_tokens=1).details.generated_tokens == 1
+
+
+def test_every_generate_parameter(client):
+    """Each of lorax-client's generate parameters, at once, as the client serialises them (nulls included)."""
+    kwargs = dict(
+        do_sample=True, max_new_tokens=6, ignore_eos_token=True, repetition_penalty=1.1,
+        return_full_text=True, seed=7, stop_sequences=["zzzz"], temperature=0.7, top_k=20, top_p=0.9, truncate=64,
+        typical_p=0.95, watermark=True, decoder_input_details=True, return_k_alternatives=2, details=True,
+    )
+    prompt = "Once upon a time"
+    first = client.generate(prompt, **kwargs)
+    assert first.generated_text.startswith(prompt) and first.details.generated_tokens == 6
+    assert first.details.prefill and all(len(t.alternative_tokens) == 2 for t in first.details.tokens)
+    assert client.generate(prompt, **kwargs).generated_text == first.generated_text  # seeded
+    # best_of > 1 the client allows only without a seed
+    best = client.generate(prompt, **{**kwargs, "seed": None, "best_of": 2})
+    assert len(best.details.best_of_sequences) == 1  # the other sequence
+    unstreamed = ("decoder_input_details", "details", "return_k_alternatives")  # generate_stream lacks these
+    stream_kwargs = {k: v for k, v in kwargs.items() if k not in unstreamed}
+    events = list(client.generate_stream(prompt, **stream_kwargs))
+    assert len(events) == 6 and events[-1].details.generated_tokens == 6
+
+
+def test_response_format_through_the_client(client):
+    import json
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    response = client.generate("Name a city as JSON:", max_new_tokens=24,
+                               response_format={"type": "json_object", "schema": schema})
+    assert "city" in json.loads(response.generated_text)
