@@ -14,10 +14,32 @@ from loraplex.multimodal.config import MediaConfig
 from loraplex.quantization import QUANTIZE_CHOICES, QuantizationError
 
 
+_ENV_NAMES: set[str] = set()  # the environment variables flags read (listed by --help)
+_ENV_OF = {"hostname": "HOSTNAME_BIND"}  # flags whose variable is not their name in capitals
+
+
+class UsageError(Exception):
+    """A user error reported as one line and exit status 2 (no traceback)."""
+
+
 def _env(name: str, default=None, cast=str):
     """LoRAX-style flags may also come from the environment (MODEL_ID, PORT, ...)."""
+    _ENV_NAMES.add(name)
     value = os.environ.get(name)
     return default if value is None else cast(value)
+
+
+def _describe_defaults(parser: argparse.ArgumentParser) -> None:
+    """--help: after each flag's text, its default and the environment variable it may come from."""
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "version") or "%(default)" in (action.help or ""):
+            continue
+        env = _ENV_OF.get(action.dest, action.dest.upper())
+        notes = [] if action.default in (None, False) else ["default: %(default)s"]
+        if env in _ENV_NAMES:
+            notes.append(f"env {env}")
+        if notes:
+            action.help = f"{action.help} ({'; '.join(notes)})" if action.help else f"({'; '.join(notes)})"
 
 
 def _truthy(value: str) -> bool:
@@ -64,10 +86,27 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="structured output: the largest JSON schema / regex / choice list a request may send")
     p.add_argument("--grammar-compile-timeout-s", type=float, default=_env("GRAMMAR_COMPILE_TIMEOUT_S", 10.0, float),
                    help="structured output: a grammar that takes longer to compile is refused")
+    p.add_argument("--revision", default=_env("REVISION"), help="a hub model's branch, tag or commit (default: main)")
+    p.add_argument("--huggingface-hub-cache", default=_env("HUGGINGFACE_HUB_CACHE"),
+                   help="the Hugging Face hub cache models and adapters are read from and downloaded to "
+                        "(default: HF_HUB_CACHE, else HF_HOME/hub)")
+    p.add_argument("--trust-remote-code", action="store_true", default=_env("TRUST_REMOTE_CODE", False, _truthy),
+                   help="refused: loraplex runs its own implementation of each model family, never a checkpoint's code")
+    p.add_argument("--cuda-memory-fraction", type=_fraction, default=_env("CUDA_MEMORY_FRACTION", 1.0, _fraction),
+                   help="the share of the GPU's memory this server may use")
+    p.add_argument("--adapter-memory-fraction", type=_fraction, default=_env("ADAPTER_MEMORY_FRACTION", 0.1, _fraction),
+                   help="at most this share of the GPU's memory is kept out of the KV cache for adapter weights")
     p.add_argument("--adapter-source", default=_env("ADAPTER_SOURCE", "hub"), choices=["hub", "local"],
                    help="where adapter ids are looked up unless a request says otherwise")
     p.add_argument("--adapter-root", action="append", default=_env("ADAPTER_ROOT", None, lambda v: v.split(",")),
                    help="directory local adapters may be loaded from (repeatable; none: local adapters off)")
+
+
+def _fraction(value: str) -> float:
+    number = float(value)
+    if not 0.0 < number <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return number
 
 
 def _add_media_args(p: argparse.ArgumentParser) -> None:
@@ -98,6 +137,29 @@ def _media_config(args: argparse.Namespace) -> MediaConfig:
     )
 
 
+def _load_engine(args: argparse.Namespace, show_progress: bool = False):
+    """The engine the flags describe; what a user got wrong (a model that does not exist or that we do not
+    serve, a device this machine lacks, a refused flag) as a UsageError."""
+    from loraplex.engine.engine import Engine
+    from loraplex.weights import WeightsError
+
+    if args.trust_remote_code:
+        raise UsageError("--trust-remote-code is not supported: loraplex runs its own implementation of each model "
+                         "family (Llama, Mistral, Qwen2, MPT, LLaVA-NeXT, Mllama, T5, BART), never a checkpoint's code")
+    device = args.device or ""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {device}: no CUDA device is available on this machine (try --device cpu)")
+    try:
+        return Engine.from_config(_engine_config(args), show_progress=show_progress)
+    except (WeightsError, QuantizationError) as exc:
+        raise UsageError(str(exc)) from exc
+    except ValueError as exc:  # the model's config names something we do not serve (ModelConfig.from_hf)
+        raise UsageError(f"cannot serve {args.model_id or 'the default model'}: {exc}") from exc
+
+
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model_id=args.model_id,
@@ -115,16 +177,18 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         prefix_caching=args.prefix_caching,
         speculative_tokens=args.speculative_tokens,
         cuda_graphs=args.cuda_graphs,
+        revision=args.revision,
+        cuda_memory_fraction=args.cuda_memory_fraction,
+        adapter_memory_fraction=args.adapter_memory_fraction,
         max_grammar_bytes=args.max_grammar_bytes,
         grammar_compile_timeout_s=args.grammar_compile_timeout_s,
     )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from loraplex.engine.engine import Engine
     from loraplex.params import SamplingParams
 
-    engine = Engine.from_config(_engine_config(args))
+    engine = _load_engine(args)
     tokenizer = engine.tokenizer
     if args.chat:
         prompt_ids = tokenizer.encode(
@@ -155,12 +219,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from loraplex.engine.async_engine import AsyncEngine
-    from loraplex.engine.engine import Engine
     from loraplex.server.app import create_app
 
     if args.json_output:
         _log_as_json()
-    engine = Engine.from_config(_engine_config(args), show_progress=True)
+    engine = _load_engine(args, show_progress=True)
     server_config = ServerConfig(
         max_concurrent_requests=args.max_concurrent_requests,
         max_stop_sequences=args.max_stop_sequences,
@@ -172,6 +235,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         preloaded_adapter_ids=tuple(args.preloaded_adapter_ids or ()),
         max_cpu_adapters=args.max_cpu_adapters,
         media=_media_config(args),
+        max_waiting_tokens=args.max_waiting_tokens,
+        waiting_served_ratio=args.waiting_served_ratio,
+        validation_workers=args.validation_workers,
     )
     app = create_app(AsyncEngine(engine), server_config)
     # Bind before saying "ready": from that line on, connections queue in the backlog.
@@ -212,7 +278,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from loraplex import __version__
+
     parser = argparse.ArgumentParser(prog="loraplex", description="Multi-LoRA inference server.")
+    parser.add_argument("--version", action="version", version=f"loraplex {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="start the HTTP server")
@@ -228,6 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="adapters (of --adapter-source) loaded at start and listed by /v1/models")
     serve.add_argument("--max-cpu-adapters", type=int, default=_env("MAX_CPU_ADAPTERS", 64, int),
                        help="loaded adapters kept in host memory besides the preloaded ones (LRU)")
+    # LoRAX's batching knobs: accepted and reported by /info; loraplex admits waiting requests at every step.
+    serve.add_argument("--max-waiting-tokens", type=int, default=_env("MAX_WAITING_TOKENS", 20, int),
+                       help="LoRAX's; reported by /info, no effect (waiting requests join at every step)")
+    serve.add_argument("--waiting-served-ratio", type=float, default=_env("WAITING_SERVED_RATIO", 1.2, float),
+                       help="LoRAX's; reported by /info, no effect (waiting requests join at every step)")
+    serve.add_argument("--validation-workers", type=int, default=_env("VALIDATION_WORKERS", 2, int),
+                       help="LoRAX's; reported by /info, no effect (requests are validated on the event loop)")
     _add_media_args(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -246,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     # The benchmark parses its own options (benchmarks/offline.py): everything after "bench" goes to it.
     bench = sub.add_parser("bench", help="offline throughput benchmark against transformers", add_help=False)
     bench.set_defaults(func=cmd_bench)
+    for command in (serve, gen):
+        _describe_defaults(command)
     return parser
 
 
@@ -257,10 +335,12 @@ def main(argv: list[str] | None = None) -> int:
         args.bench_args = rest
     elif rest:
         build_parser().parse_args(argv)  # reports the unrecognised arguments and exits
+    if getattr(args, "huggingface_hub_cache", None):  # before anything imports huggingface_hub
+        os.environ["HF_HUB_CACHE"] = args.huggingface_hub_cache
     try:
         return args.func(args)
-    except (AdapterError, QuantizationError) as exc:  # an adapter, or a --quantize, that cannot be served
-        print(f"loraplex: error: {exc}", file=sys.stderr)
+    except (AdapterError, QuantizationError, UsageError) as exc:  # what the user can fix: one line, no traceback
+        print(f"loraplex: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
 
 
