@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from loraplex.server import request_log
+
 if TYPE_CHECKING:
     from loraplex.engine.engine import Engine, RequestOutput
 
@@ -58,7 +60,11 @@ class Metrics:
         r.register(_EngineGauges(engine))
 
     def _label(self, adapter: str) -> str:
-        """Bounded cardinality: the first MAX_ADAPTER_LABELS adapters seen get their own label."""
+        """The adapter as the client named it (the request's record; else the store's key), with bounded
+        cardinality: the first MAX_ADAPTER_LABELS adapters seen get their own label."""
+        record = request_log.current()
+        if record is not None and record.adapter:
+            adapter = record.adapter
         if adapter not in self._adapter_labels and len(self._adapter_labels) >= MAX_ADAPTER_LABELS:
             return OTHER_ADAPTERS
         self._adapter_labels.add(adapter)
@@ -67,6 +73,8 @@ class Metrics:
     def on_request(self, num_prompt_tokens: int, adapter: str = BASE_ADAPTER) -> None:
         self.request_count.labels(self._label(adapter)).inc()
         self.input_length.observe(num_prompt_tokens)
+        if (record := request_log.current()) is not None:
+            record.started_run(num_prompt_tokens)
 
     def on_success(self, final: "RequestOutput", adapter: str = BASE_ADAPTER) -> None:
         t = final.timings
@@ -77,6 +85,8 @@ class Metrics:
         self.generated_tokens.observe(final.num_generated_tokens)
         if final.num_generated_tokens:
             self.time_per_token.observe((t.get("total", 0.0) - t.get("queue", 0.0)) / final.num_generated_tokens)
+        if (record := request_log.current()) is not None:
+            record.finished_run(final)
 
     def on_images(self, count: int, seconds: float) -> None:
         self.images.inc(count)

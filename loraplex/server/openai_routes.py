@@ -48,6 +48,7 @@ from loraplex.server.errors import BadRequest, ModelNotFound
 from loraplex.server.grammars import compile_grammars
 from loraplex.server.images import encode_prompt
 from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences
+from loraplex.server.request_log import note_adapter
 from loraplex.server.state import (
     Finished,
     GenerationFailed,
@@ -83,6 +84,7 @@ async def resolve_model(state: ServerState, requested: str | None) -> Served:
     """
     if not requested or requested == state.model_id:
         return Served(state.model_id)
+    note_adapter(requested)  # for its log line and metrics
     return Served(requested, await state.adapter(requested))
 
 
