@@ -67,7 +67,8 @@ def generate(max_new_tokens: int, **parameters) -> dict:
 
 def test_every_family_parses_with_its_type_and_lorax_counters_keep_their_names(make_app):
     app = make_app()
-    ok, bad = talk(app, ("POST", "/generate", generate(2)), ("POST", "/generate", {"inputs": "x", "parameters": {"top_p": 2}}))
+    invalid = {"inputs": "x", "parameters": {"top_p": 2}}
+    ok, bad = talk(app, ("POST", "/generate", generate(2)), ("POST", "/generate", invalid))
     assert (ok.status_code, bad.status_code) == (200, 422)
     text, families = scrape(app)
     untyped = [name for name, f in families.items() if f.type in ("unknown", "untyped")]
