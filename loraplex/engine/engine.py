@@ -55,6 +55,7 @@ class RequestOutput:
     num_generated_tokens: int = 0
     seed: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    token_times: list[float] | None = None  # when finished: when each generated token was made (monotonic)
     error: str | None = None  # set (with finished=True) when the request failed; the text says why
 
 
@@ -65,6 +66,7 @@ class _Stream:
     detokenizer: IncrementalDetokenizer | None
     text_end: int | None = None  # where the stop sequence begins, once matched
     first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
 
 
 class Engine:
@@ -416,6 +418,7 @@ class Engine:
         token_id = result.token_id
         stream = self._streams[request.request_id]
         stream.first_token_time = stream.first_token_time or now
+        stream.token_times.append(now)
         request.output_ids.append(token_id)
         if request.grammar is not None:
             error = advance(request.grammar, token_id)
@@ -474,6 +477,7 @@ class Engine:
             token_ids=list(request.output_ids),
             prompt_tokens=prompt_tokens, num_prompt_tokens=request.num_input_tokens,
             num_generated_tokens=len(request.output_ids), seed=request.seed, timings=timings,
+            token_times=stream.token_times,
         )
 
     def _token_info(self, token_id: int, logprob: float | None) -> TokenInfo:

@@ -1,18 +1,22 @@
-"""Prometheus metrics under LoRAX's names, plus the vLLM gauges that the Kubernetes Gateway API
-Inference Extension reads for routing.
+"""Prometheus metrics under LoRAX's names and vLLM's.
 
-LoRAX's counters are exposed under their exact names (`lorax_request_count`, not `..._total`), so they
-are registered as gauges that only ever go up: dashboards built for LoRAX work unchanged.
+LoRAX's counters are exposed under their exact names (`lorax_request_count`, not `..._total`), typed as
+counters, as LoRAX's Rust exporter writes them: dashboards built for LoRAX work unchanged. vLLM's request
+histograms and counters carry its `model_name` label, so dashboards and routers built for vLLM read ours.
 Engine-state gauges are read at scrape time.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from loraplex.engine.request import FinishReason
+from loraplex.server import request_log
 
 if TYPE_CHECKING:
     from loraplex.engine.engine import Engine, RequestOutput
@@ -20,6 +24,16 @@ if TYPE_CHECKING:
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# vLLM's boundaries (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM's `finished_reason` values.
+FINISHED_REASONS = {FinishReason.EOS_TOKEN: "stop", FinishReason.STOP_SEQUENCE: "stop", FinishReason.LENGTH: "length",
+                    FinishReason.ABORTED: "abort"}
 BASE_ADAPTER = "base"  # the `adapter` label of requests served by the base model
 MAX_ADAPTER_LABELS = 100  # distinct `adapter` label values; later adapters are counted as "other"
 OTHER_ADAPTERS = "other"
@@ -29,9 +43,12 @@ class Metrics:
     def __init__(self, engine: "Engine") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.request_count = Gauge("lorax_request_count", "Requests received", ["adapter"], registry=r)
-        self.request_success = Gauge("lorax_request_success", "Requests that finished", ["adapter"], registry=r)
-        self.request_failure = Gauge("lorax_request_failure", "Requests that failed", ["err"], registry=r)
+        # LoRAX's counters live apart: exposition() writes them as counters under their bare names.
+        self.lorax_counters = CollectorRegistry(auto_describe=True)
+        c = self.lorax_counters
+        self.request_count = Gauge("lorax_request_count", "Requests received", ["adapter"], registry=c)
+        self.request_success = Gauge("lorax_request_success", "Requests that finished", ["adapter"], registry=c)
+        self.request_failure = Gauge("lorax_request_failure", "Requests that failed", ["err"], registry=c)
         self.duration = Histogram("lorax_request_duration", "End-to-end seconds", buckets=DURATION_BUCKETS, registry=r)
         self.queue_duration = Histogram(
             "lorax_request_queue_duration", "Seconds waiting before the first step", buckets=DURATION_BUCKETS, registry=r
@@ -54,11 +71,16 @@ class Metrics:
             "loraplex_image_processing_seconds", "Seconds the processor took per request's images (resize, tile)",
             buckets=DURATION_BUCKETS, registry=r,
         )
+        self.vllm = _VllmRequestMetrics(r, engine.model_id)
         self._adapter_labels: set[str] = {BASE_ADAPTER}
         r.register(_EngineGauges(engine))
 
     def _label(self, adapter: str) -> str:
-        """Bounded cardinality: the first MAX_ADAPTER_LABELS adapters seen get their own label."""
+        """The adapter as the client named it (the request's record; else the store's key), with bounded
+        cardinality: the first MAX_ADAPTER_LABELS adapters seen get their own label."""
+        record = request_log.current()
+        if record is not None and record.adapter:
+            adapter = record.adapter
         if adapter not in self._adapter_labels and len(self._adapter_labels) >= MAX_ADAPTER_LABELS:
             return OTHER_ADAPTERS
         self._adapter_labels.add(adapter)
@@ -67,6 +89,8 @@ class Metrics:
     def on_request(self, num_prompt_tokens: int, adapter: str = BASE_ADAPTER) -> None:
         self.request_count.labels(self._label(adapter)).inc()
         self.input_length.observe(num_prompt_tokens)
+        if (record := request_log.current()) is not None:
+            record.started_run(num_prompt_tokens)
 
     def on_success(self, final: "RequestOutput", adapter: str = BASE_ADAPTER) -> None:
         t = final.timings
@@ -77,6 +101,9 @@ class Metrics:
         self.generated_tokens.observe(final.num_generated_tokens)
         if final.num_generated_tokens:
             self.time_per_token.observe((t.get("total", 0.0) - t.get("queue", 0.0)) / final.num_generated_tokens)
+        self.vllm.on_success(final)
+        if (record := request_log.current()) is not None:
+            record.finished_run(final)
 
     def on_images(self, count: int, seconds: float) -> None:
         self.images.inc(count)
@@ -86,7 +113,56 @@ class Metrics:
         self.request_failure.labels(kind).inc()
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        # prometheus_client appends `_total` to a counter's name; LoRAX's have none, so they are kept as
+        # gauges (same samples, same escaping) and only their TYPE line says counter.
+        lorax = re.sub(rb"^(# TYPE \S+) gauge$", rb"\1 counter", generate_latest(self.lorax_counters), flags=re.M)
+        return generate_latest(self.registry) + lorax
+
+
+class _VllmRequestMetrics:
+    """vLLM's per-request histograms and token counters, observed when a request finishes (a request aborted
+    or failed mid-way is not counted), from the engine's timestamps."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        m, r = ["model_name"], registry
+        self.model_name = model_name
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              m, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             m, buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds (vLLM's older name for the inter-token "
+                              "latency).", m, buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             m, buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.queue = Histogram("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.",
+                               m, buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", m,
+                                         registry=r).labels(model_name)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               ["model_name", "finished_reason"], registry=r)
+        for reason in sorted(set(FINISHED_REASONS.values())):  # every series from the start, at 0, as vLLM
+            self.success.labels(model_name, reason)
+
+    def on_success(self, final: "RequestOutput") -> None:
+        t = final.timings
+        self.ttft.observe(t.get("first_token", 0.0))
+        self.e2e.observe(t.get("total", 0.0))
+        self.queue.observe(t.get("queue", 0.0))
+        # One gap per engine step after the first token, as vLLM observes it, for streamed and whole answers
+        # alike: the engine stamps each token (a step that accepts drafts makes several at once: one gap).
+        times = final.token_times or []
+        for earlier, later in zip(times, times[1:]):
+            if later > earlier:
+                self.itl.observe(later - earlier)
+                self.tpot.observe(later - earlier)
+        self.prompt_tokens.inc(final.num_prompt_tokens)
+        self.generation_tokens.inc(final.num_generated_tokens)
+        reason = FINISHED_REASONS.get(final.finish_reason, "stop")
+        self.success.labels(self.model_name, reason).inc()
 
 
 class _EngineGauges:

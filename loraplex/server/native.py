@@ -36,6 +36,7 @@ from loraplex.server.errors import BadRequest, native_error
 from loraplex.server.grammars import compile_grammars
 from loraplex.server.images import encode_prompt, image_placeholder
 from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences
+from loraplex.server.request_log import note_adapter
 from loraplex.server.state import GenerationFailed, ServerState, adapter_header, get_state, run_to_end
 
 router = APIRouter()
@@ -59,6 +60,7 @@ async def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
     """
     started = time.perf_counter()
     p = body.parameters
+    note_adapter(p.adapter_id, p.merged_adapters.ids if p.merged_adapters else ())  # for its log line and metrics
     limits = state.config
     if p.adapter_id and p.merged_adapters:
         raise BadRequest("give adapter_id or merged_adapters, not both", "merged_adapters")

@@ -48,6 +48,7 @@ from loraplex.server.errors import BadRequest, ModelNotFound
 from loraplex.server.grammars import compile_grammars
 from loraplex.server.images import encode_prompt
 from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences
+from loraplex.server.request_log import note_adapter
 from loraplex.server.state import (
     Finished,
     GenerationFailed,
@@ -91,6 +92,7 @@ async def resolve_model(state: ServerState, body: SamplingFields) -> Served:
         requested = body.adapter_id
     if not requested:
         return Served(state.model_id)
+    note_adapter(requested)  # for its log line and metrics
     return Served(requested, await state.adapter(requested, body.adapter_source))
 
 

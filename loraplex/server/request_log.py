@@ -1,0 +1,125 @@
+"""One structured log line per HTTP request, on the logger `loraplex.requests`, written when the response ends.
+
+`RequestLog` is a plain ASGI middleware, outside FastAPI's error handlers: it sees every request, those
+refused before a route runs (validation errors, unknown paths) and those whose exception escapes (a 500)
+included. A streamed response is logged when its stream ends or the client cuts it, not when its headers
+go out. The request's `RequestRecord` is `request.state.log`, and `current()` anywhere in the request's
+task (and the tasks it starts): the routes name the adapter there, `Metrics` adds the engine's numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from loraplex.engine.engine import RequestOutput
+
+log = logging.getLogger("loraplex.requests")
+MAX_REQUEST_ID = 128  # longer (or unprintable) x-request-id headers are replaced by our own id
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    method: str
+    route: str
+    adapter: str | None = None  # as the client named it; None: the base model (or none named yet)
+    status: int = 500  # until a response starts: an exception that escapes becomes a 500
+    prompt_tokens: int = 0  # summed over the engine requests it ran (each of n choices, best_of runs)
+    generated_tokens: int = 0  # of the engine requests that finished
+    queue_seconds: float = 0.0  # the longest of its engine requests'
+    inference_seconds: float = 0.0
+    total_seconds: float = 0.0
+    complete: bool = False  # False: the response was cut (client gone) or never sent
+
+    def started_run(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens += num_prompt_tokens
+
+    def finished_run(self, final: "RequestOutput") -> None:
+        queue, total = final.timings.get("queue", 0.0), final.timings.get("total", 0.0)
+        self.generated_tokens += final.num_generated_tokens
+        self.queue_seconds = max(self.queue_seconds, queue)
+        self.inference_seconds = max(self.inference_seconds, total - queue)
+
+    def fields(self) -> dict:
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+_current: ContextVar[RequestRecord | None] = ContextVar("loraplex_request", default=None)
+
+
+def current() -> RequestRecord | None:
+    """The record of the HTTP request being served (None outside one: the engine's own tests, /health's probe)."""
+    return _current.get()
+
+
+def note_adapter(adapter_id: str | None, merged_ids: Sequence[str] = ()) -> None:
+    """The adapter a request names, for its log line and its metrics' `adapter` label; a merge is named by its
+    ids, comma-joined (as LoRAX's x-adapter-id header)."""
+    record = _current.get()
+    if record is not None and (adapter_id or merged_ids):
+        record.adapter = adapter_id or ",".join(merged_ids)
+
+
+class RequestLog:
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.perf_counter()
+        record = RequestRecord(_request_id(scope), scope["method"], scope["path"])
+        scope.setdefault("state", {})["log"] = record
+        token = _current.set(record)
+
+        async def send_and_note(message) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", record.request_id.encode())]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                record.complete = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            _current.reset(token)
+            route = scope.get("route")  # set by the router: the template, not the path (no ids in routes)
+            record.route = getattr(route, "path", record.route)
+            record.total_seconds = time.perf_counter() - started
+            fields = record.fields()
+            log.log(logging.WARNING if record.status >= 500 else logging.INFO, key_values(fields),
+                    extra={"fields": fields})
+
+
+def _request_id(scope) -> str:
+    """The client's x-request-id when it is a sane one (to correlate its logs with ours), else a new id."""
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id":
+            given = value.decode("latin-1")
+            if 0 < len(given) <= MAX_REQUEST_ID and given.isprintable():
+                return given
+    return uuid.uuid4().hex
+
+
+def key_values(fields: dict) -> str:
+    return " ".join(f"{k}={_text(v)}" for k, v in fields.items())
+
+
+def _text(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = str(value)
+    # Client-given values (adapter, request id) are quoted when they could break the line's shape.
+    if not text or text == "-" or any(c.isspace() or c in '"=\\' for c in text) or not text.isprintable():
+        return json.dumps(text)
+    return text
