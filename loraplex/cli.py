@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
@@ -137,7 +136,7 @@ def _media_config(args: argparse.Namespace) -> MediaConfig:
     )
 
 
-def _load_engine(args: argparse.Namespace, show_progress: bool = False):
+def _load_engine(args: argparse.Namespace, show_progress: bool = False, log=None):
     """The engine the flags describe; what a user got wrong (a model that does not exist or that we do not
     serve, a device this machine lacks, a refused flag) as a UsageError."""
     from loraplex.engine.engine import Engine
@@ -153,7 +152,7 @@ def _load_engine(args: argparse.Namespace, show_progress: bool = False):
         if not torch.cuda.is_available():
             raise UsageError(f"--device {device}: no CUDA device is available on this machine (try --device cpu)")
     try:
-        return Engine.from_config(_engine_config(args), show_progress=show_progress)
+        return Engine.from_config(_engine_config(args), show_progress=show_progress, log=log)
     except (WeightsError, QuantizationError) as exc:
         raise UsageError(str(exc)) from exc
     except ValueError as exc:  # the model's config names something we do not serve (ModelConfig.from_hf)
@@ -221,9 +220,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loraplex.engine.async_engine import AsyncEngine
     from loraplex.server.app import create_app
 
-    if args.json_output:
-        _log_as_json()
-    engine = _load_engine(args, show_progress=True)
+    from loraplex.server.logs import configure_logging
+
+    configure_logging(args.json_output)
+    logger = logging.getLogger("loraplex")
+    # --json-output: every line on stderr is a JSON object, so progress goes through the logger, without bars.
+    engine = _load_engine(args, show_progress=not args.json_output, log=logger.info if args.json_output else None)
     server_config = ServerConfig(
         max_concurrent_requests=args.max_concurrent_requests,
         max_stop_sequences=args.max_stop_sequences,
@@ -251,24 +253,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"{', quantized ' + args.quantize if args.quantize else ''}), "
         f"KV cache {engine.kv_capacity_tokens} tokens, http://{args.hostname}:{args.port}"
     )
-    print(ready, file=sys.stderr, flush=True)
-    logging.getLogger("loraplex").info(ready)
+    if args.json_output:
+        logger.info(ready)
+    else:  # printed, not logged: the line scripts wait for starts with "loraplex ready"
+        print(ready, file=sys.stderr, flush=True)
     log_config = None if args.json_output else uvicorn.config.LOGGING_CONFIG
     uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=log_config)).run(sockets=[sock])
     return 0
-
-
-def _log_as_json() -> None:
-    """--json-output: log records (ours and uvicorn's) as one JSON object per line on stderr."""
-
-    class JsonFormatter(logging.Formatter):
-        def format(self, record: logging.LogRecord) -> str:
-            return json.dumps({"timestamp": self.formatTime(record), "level": record.levelname,
-                               "target": record.name, "message": record.getMessage()})
-
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

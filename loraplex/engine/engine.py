@@ -114,8 +114,10 @@ class Engine:
         self._grammars_made = threading.Lock()  # compile_grammar is called from other threads too
 
     @classmethod
-    def from_config(cls, config: EngineConfig, show_progress: bool = False) -> "Engine":
-        return cls(load_model(config, show_progress=show_progress), config)
+    def from_config(cls, config: EngineConfig, show_progress: bool = False, log=None) -> "Engine":
+        """Load the model `config` names; `log` (a str -> None callable; default: stderr) hears the progress."""
+        extra = {} if log is None else {"log": log}
+        return cls(load_model(config, show_progress=show_progress, **extra), config)
 
     # ---- capacity ---------------------------------------------------------------------------------
 
@@ -141,6 +143,10 @@ class Engine:
         else:  # CPU: host memory is shared with everything else; a modest slice, capped
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = min(available * (cfg.kv_cache_memory_fraction or 0.1), CPU_KV_CACHE_CAP_BYTES)
+            if cfg.kv_cache_memory_fraction is None:
+                # and no more than the weights: a CPU computes few sequences at once, so a small model needs
+                # little cache (the embedded 135M model: ~540 MB, about 11,700 tokens).
+                budget = min(budget, sum(p.numel() * p.element_size() for p in loaded.model.parameters()))
         # At least one longest request.
         tokens = max(cfg.max_total_tokens, int(budget) // bytes_per_token)
         return blocks_for(tokens, cfg.block_size)

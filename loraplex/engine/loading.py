@@ -93,7 +93,7 @@ def load_model(
     config: EngineConfig, log=lambda msg: print(msg, file=sys.stderr, flush=True), show_progress: bool = False
 ) -> LoadedModel:
     started = time.perf_counter()
-    source: ModelSource = resolve_model(config.model_id, revision=config.revision)
+    source: ModelSource = resolve_model(config.model_id, progress=log, revision=config.revision)
     model_config = with_generation_config(ModelConfig.from_hf(source.hf_config), _generation_config(source))
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)

@@ -1,0 +1,94 @@
+"""The command line (issue 14): --version, --help's defaults and environment variables, LoRAX's launcher flags,
+user errors as one line with exit status 2, --json-output's lines, and `loraplex bench` taking its options."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from loraplex import __version__
+from loraplex.cli import build_parser
+from tests.helpers import free_port
+
+
+def loraplex(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "loraplex.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_version():
+    run = loraplex("--version")
+    assert run.returncode == 0 and run.stdout.strip() == f"loraplex {__version__}"
+
+
+def test_help_shows_defaults_and_environment_variables():
+    text = " ".join(loraplex("serve", "--help").stdout.split())
+    for expected in ("default: 4095; env MAX_INPUT_LENGTH", "env MODEL_ID", "default: 8080; env PORT",
+                     "env HOSTNAME_BIND", "--trust-remote-code", "--cuda-memory-fraction", "--max-waiting-tokens"):
+        assert expected in text, expected
+
+
+def test_lorax_launcher_flags_are_accepted():
+    args = build_parser().parse_args([
+        "serve", "--revision", "v2", "--huggingface-hub-cache", "/tmp/hub", "--max-waiting-tokens", "5",
+        "--waiting-served-ratio", "0.5", "--validation-workers", "4", "--cuda-memory-fraction", "0.9",
+        "--adapter-memory-fraction", "0.2",
+    ])
+    assert (args.revision, args.huggingface_hub_cache, args.max_waiting_tokens) == ("v2", "/tmp/hub", 5)
+    assert (args.cuda_memory_fraction, args.adapter_memory_fraction) == (0.9, 0.2)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--cuda-memory-fraction", "1.5"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model-id", "/no/such/model"], "no such file or directory"),
+    (["--device", "cuda"], "no CUDA device"),
+    (["--trust-remote-code"], "--trust-remote-code is not supported"),
+], ids=["missing-model", "no-cuda", "remote-code"])
+def test_user_errors_are_one_line_and_exit_2(flags, message):
+    run = loraplex("generate", "hi", *flags)
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 2 and lines == [lines[0]] and lines[0].startswith("loraplex: error:"), run.stderr
+    assert message in lines[0] and "Traceback" not in run.stderr
+
+
+def test_json_output_makes_every_line_json():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loraplex.cli", "serve", "--json-output", "--port", str(port),
+         "--max-batch-total-tokens", "2048"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines = []
+    try:
+        for line in proc.stdout:  # until the ready line
+            lines.append(line)
+            if "loraplex ready" in line:
+                break
+        assert proc.poll() is None, "".join(lines)
+        body = json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": 2}}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/generate", body, {"content-type": "application/json"})
+        assert urllib.request.urlopen(request, timeout=60).status == 200
+        deadline = time.monotonic() + 30
+        while not any('"loraplex.requests"' in line for line in lines) and time.monotonic() < deadline:
+            lines.append(proc.stdout.readline())  # the request's log line follows its response
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    records = [json.loads(line) for line in lines if line.strip()]  # fails on any line that is not JSON
+    assert any(r.get("target") == "loraplex.requests" and r.get("status") == 200 for r in records)
+    assert any("loading" in r.get("message", "") for r in records)  # progress is JSON too
+
+
+def test_bench_takes_its_options():
+    run = loraplex("bench", "--workload", "equal", "--requests", "2", "--one-at-a-time-requests", "1", timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "equal" in run.stdout and "tok/s" in run.stdout
+    rejected = loraplex("bench", "--workload", "nonsense")
+    assert rejected.returncode == 2 and "invalid choice" in rejected.stderr
