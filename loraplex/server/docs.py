@@ -1,15 +1,18 @@
-"""OpenAPI docs at /docs with Swagger UI served from the installed `swagger-ui-bundle` (offline)."""
+"""OpenAPI docs at /docs with Swagger UI 5 served from the package's own files (offline; see static/swagger-ui)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.staticfiles import StaticFiles
-from swagger_ui_bundle import swagger_ui_path
+
+SWAGGER_UI = Path(__file__).parent / "static" / "swagger-ui"
 
 
 def mount_docs(app: FastAPI) -> None:
-    app.mount("/docs-static", StaticFiles(directory=swagger_ui_path), name="docs-static")
+    app.mount("/docs-static", StaticFiles(directory=SWAGGER_UI), name="docs-static")
 
     @app.get("/docs", include_in_schema=False)
     async def docs():

@@ -248,3 +248,31 @@ def test_chat_mode_keeps_the_conversation(server, devtools):
             assert await page.js("document.getElementById('prompt').value") == ""
 
     run_in_browser(devtools, server, scenario)
+
+
+def test_api_docs_render_the_routes_in_the_browser(server, devtools):
+    """/docs in Chromium: Swagger UI must read the OpenAPI document FastAPI writes (3.1) and list the routes."""
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{devtools}/json/list") as response:
+                targets = [t for t in await response.json() if t["type"] == "page"]
+            ws = await session.ws_connect(targets[0]["webSocketDebuggerUrl"], max_msg_size=0)
+            page = Page(ws)
+            try:
+                await page.call("Runtime.enable")
+                await page.call("Page.enable")
+                await page.call("Page.navigate", url=f"{server}/docs?visit={next(VISITS)}")
+                await page.wait_for("document.querySelectorAll('.opblock').length > 5 || (document.body !== null "
+                                    "&& document.body.innerText.includes('Unable to render'))", "Swagger UI to render")
+                text = await page.js("document.body.innerText")
+                assert "Unable to render" not in text, text[:500]
+                paths = await page.js("[...document.querySelectorAll('.opblock-summary-path')].map(e => e.innerText)")
+                for route in ("/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions", "/info"):
+                    assert any(p.replace("\u200b", "") == route for p in paths), (route, paths)
+                assert not page.errors, f"JavaScript errors on the page: {page.errors}"
+            finally:
+                await page.ws.close()
+                page.reader.cancel()
+
+    asyncio.run(main())
