@@ -95,7 +95,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the share of the GPU's memory this server may use")
     p.add_argument("--adapter-memory-fraction", type=_fraction, default=_env("ADAPTER_MEMORY_FRACTION", 0.1, _fraction),
                    help="at most this share of the GPU's memory is kept out of the KV cache for adapter weights")
-    p.add_argument("--adapter-source", default=_env("ADAPTER_SOURCE", "hub"), choices=["hub", "local"],
+    p.add_argument("--adapter-source", default=_env("ADAPTER_SOURCE", "hub"), choices=["hub", "local", "s3"],
                    help="where adapter ids are looked up unless a request says otherwise")
     p.add_argument("--adapter-root", action="append", default=_env("ADAPTER_ROOT", None, lambda v: v.split(",")),
                    help="directory local adapters may be loaded from (repeatable; none: local adapters off)")

@@ -13,6 +13,7 @@ Sources:
   symlinks, inside one of the `roots`. No roots: local loading is off.
 - `hub`: a Hugging Face repo id, read from the local HF cache; downloaded only when online and
   `HF_HUB_OFFLINE` is not set.
+- `s3`: a directory in an S3 bucket, as LoRAX names it (lora/s3_source.py).
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ from loraplex.lora.adapter import (
     load_adapter_dir,
 )
 from loraplex.lora.merge import MAJORITY_SIGN_METHODS, MERGE_STRATEGIES, merge_adapters
+from loraplex.lora.s3_source import s3_adapter_dir
 
-SOURCES = ("local", "hub")
+SOURCES = ("local", "hub", "s3")
 # How long a refused adapter (AdapterInvalid) is answered from memory before its files are read again.
 REFUSAL_TTL_S = 10.0
 
@@ -190,6 +192,9 @@ class AdapterStore:
 
     def _read(self, key: str, adapter_id: str, source: str | None) -> LoraAdapter:
         source = self.source_of(source)
+        if source == "s3":  # downloaded to a temporary directory for the read
+            with s3_adapter_dir(adapter_id) as path:
+                return load_adapter_dir(path, key, self.base_shapes, self.max_rank, self.base_weight, self.checkpoint_name)
         path = self._local_dir(adapter_id) if source == "local" else _hub_dir(adapter_id)
         return load_adapter_dir(path, key, self.base_shapes, self.max_rank, self.base_weight, self.checkpoint_name)
 
