@@ -223,6 +223,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loraplex.server.logs import configure_logging
 
     configure_logging(args.json_output)
+    if args.otlp_endpoint:
+        from loraplex.server.tracing import TracingUnavailable, configure_tracing
+
+        try:
+            configure_tracing(args.otlp_endpoint)
+        except TracingUnavailable as exc:
+            raise UsageError(str(exc)) from exc
     logger = logging.getLogger("loraplex")
     # --json-output: every line on stderr is a JSON object, so progress goes through the logger, without bars.
     engine = _load_engine(args, show_progress=not args.json_output, log=logger.info if args.json_output else None)
@@ -283,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-stop-sequences", type=int, default=_env("MAX_STOP_SEQUENCES", 4, int))
     serve.add_argument("--max-best-of", type=int, default=_env("MAX_BEST_OF", 2, int))
     serve.add_argument("--json-output", action="store_true", default=_env("JSON_OUTPUT", False, _truthy))
+    serve.add_argument("--otlp-endpoint", default=_env("OTLP_ENDPOINT"),
+                       help="send a trace span per request to this OpenTelemetry collector, over OTLP/HTTP "
+                            "(e.g. http://collector:4318; needs the otlp extra)")
     serve.add_argument("--cors-allow-origin", action="append", default=_env("CORS_ALLOW_ORIGIN", None, lambda v: v.split(",")))
     serve.add_argument("--preloaded-adapter-ids", nargs="+", default=_env("PRELOADED_ADAPTER_IDS", None, lambda v: v.split(",")),
                        help="adapters (of --adapter-source) loaded at start and listed by /v1/models")

@@ -17,6 +17,8 @@ from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from loraplex.server import tracing
+
 if TYPE_CHECKING:
     from loraplex.engine.engine import RequestOutput
 
@@ -74,7 +76,7 @@ class RequestLog:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = time.perf_counter()
+        started, started_ns = time.perf_counter(), time.time_ns()
         record = RequestRecord(_request_id(scope), scope["method"], scope["path"])
         scope.setdefault("state", {})["log"] = record
         token = _current.set(record)
@@ -97,6 +99,7 @@ class RequestLog:
             fields = record.fields()
             log.log(logging.WARNING if record.status >= 500 else logging.INFO, key_values(fields),
                     extra={"fields": fields})
+            tracing.record_span(record, started_ns, time.time_ns(), scope.get("headers", ()))
 
 
 def _request_id(scope) -> str:
