@@ -596,6 +596,7 @@ class ServerConfig:
     max_stop_sequences: int = 4
     max_best_of: int = 2
     default_max_new_tokens: int = 20  # when a request names none
+    request_timeout_s: float | None = None  # a request still running after this long is aborted (504 if unanswered)
     # LoRAX's batching knobs, reported by /info. loraplex admits waiting requests at every step (continuous
     # batching without a waiting budget), so they do not change scheduling.
     max_waiting_tokens: int = 20
