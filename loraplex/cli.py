@@ -248,6 +248,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         waiting_served_ratio=args.waiting_served_ratio,
         validation_workers=args.validation_workers,
         request_timeout_s=args.request_timeout_s,
+        max_request_bytes=args.max_request_bytes,
     )
     app = create_app(AsyncEngine(engine), server_config)
     # Bind before saying "ready": from that line on, connections queue in the backlog.
@@ -293,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--json-output", action="store_true", default=_env("JSON_OUTPUT", False, _truthy))
     serve.add_argument("--request-timeout-s", type=float, default=_env("REQUEST_TIMEOUT_S", None, float),
                        help="abort a request still running after this many seconds (504 when nothing was sent yet)")
+    serve.add_argument("--max-request-bytes", type=int, default=_env("MAX_REQUEST_BYTES", 32 * 1024 * 1024, int),
+                       help="refuse request bodies larger than this (413), before parsing them")
     serve.add_argument("--otlp-endpoint", default=_env("OTLP_ENDPOINT"),
                        help="send a trace span per request to this OpenTelemetry collector, over OTLP/HTTP "
                             "(e.g. http://collector:4318; needs the otlp extra)")

@@ -597,6 +597,9 @@ class ServerConfig:
     max_best_of: int = 2
     default_max_new_tokens: int = 20  # when a request names none
     request_timeout_s: float | None = None  # a request still running after this long is aborted (504 if unanswered)
+    # Request bodies larger than this are refused (413) before they are parsed (TGI's --payload-limit). Images
+    # sent as data URLs count: raise it for many large ones.
+    max_request_bytes: int = 32 * 1024 * 1024
     # LoRAX's batching knobs, reported by /info. loraplex admits waiting requests at every step (continuous
     # batching without a waiting budget), so they do not change scheduling.
     max_waiting_tokens: int = 20

@@ -32,7 +32,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         app.add_middleware(
             CORSMiddleware, allow_origins=list(state.config.cors_allow_origin), allow_methods=["*"], allow_headers=["*"]
         )
-    app.add_middleware(CancelOnDisconnect, timeout_s=config.request_timeout_s)
+    app.add_middleware(CancelOnDisconnect, timeout_s=config.request_timeout_s, max_body_bytes=config.max_request_bytes)
     app.add_middleware(RequestLog)  # added last: outermost, so its line has the status CORS answered too
     install_error_handlers(app)
     app.include_router(native.router)

@@ -7,6 +7,9 @@ the client disconnects before the response is complete, the app's task is cancel
 engine streams the route is iterating, which aborts their requests (AsyncEngine.generate) and releases the slot
 (ServerState.generate). With a deadline (`--request-timeout-s`) a request that overruns it is cancelled the same
 way and answered 504 if its response has not started.
+
+Since it reads every body, it also caps their size (`--max-request-bytes`): a larger body is answered 413 before
+the app sees a byte of it (by its Content-Length at once, or as soon as the bytes read pass the cap).
 """
 
 from __future__ import annotations
@@ -20,19 +23,34 @@ from loraplex.server.errors import native_error, openai_error
 CLIENT_CLOSED = 499  # the status the request's log line gets (nginx's convention)
 
 
+def _error(scope, status: int, message: str, kind: str):
+    """An error response in the shape of the route's API."""
+    if scope["path"].startswith("/v1/"):
+        return openai_error(status, message, "invalid_request_error", code=kind)
+    return native_error(status, message, kind)
+
+
 class CancelOnDisconnect:
-    def __init__(self, app, timeout_s: float | None = None) -> None:
-        self.app, self.timeout_s = app, timeout_s
+    def __init__(self, app, timeout_s: float | None = None, max_body_bytes: int | None = None) -> None:
+        self.app, self.timeout_s, self.max_body_bytes = app, timeout_s, max_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        too_large = _error(scope, 413, f"the request body is larger than {self.max_body_bytes} bytes "
+                                       "(--max-request-bytes)", "payload_too_large")
+        if self.max_body_bytes is not None and _content_length(scope) > self.max_body_bytes:
+            return await too_large(scope, receive, send)
         body: list[dict] = []
+        size = 0
         while True:  # the whole body first: afterwards the only message left is the disconnect
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
             body.append(message)
+            size += len(message.get("body", b""))
+            if self.max_body_bytes is not None and size > self.max_body_bytes:
+                return await too_large(scope, receive, send)
             if not message.get("more_body", False):
                 break
         gone = asyncio.Event()
@@ -69,10 +87,18 @@ class CancelOnDisconnect:
                     record.status = CLIENT_CLOSED
             elif not started:  # the deadline passed first
                 message = f"the request took longer than {self.timeout_s:g} s (--request-timeout-s)"
-                timeout = (openai_error(504, message, "timeout_error", code="timeout") if scope["path"].startswith("/v1/")
-                           else native_error(504, message, "timeout"))
-                await timeout(scope, replay, send)
+                await _error(scope, 504, message, "timeout")(scope, replay, send)
         finally:
             watcher.cancel()
             if not app.done():
                 app.cancel()
+
+
+def _content_length(scope) -> int:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0

@@ -24,7 +24,8 @@ async def encode_prompt(
     """Token ids of `prompt` (its image placeholders expanded) and the images' inputs; `param` names the
     request field the images came from, for errors."""
     if not urls:
-        return state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens), None
+        # Off the event loop: a long prompt takes the tokenizer seconds, during which nothing else would answer.
+        return await asyncio.to_thread(state.tokenizer.encode, prompt, add_special_tokens=add_special_tokens), None
     if not state.core.takes_images:
         raise BadRequest(f"model {state.model_id!r} does not take images (it is a text-only model)", param)
     images = await load_images(urls, state.config.media)

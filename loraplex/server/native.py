@@ -79,7 +79,7 @@ async def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
     text = body.inputs
     if p.apply_chat_template:
         try:
-            text = state.tokenizer.apply_chat_template(body.chat_messages())
+            text = await asyncio.to_thread(state.tokenizer.apply_chat_template, body.chat_messages())
         except Exception as exc:  # no template, or the template refused these messages
             raise BadRequest(f"inputs cannot be turned into a chat prompt: {exc}", "apply_chat_template") from exc
     # LoRAX's image form: ![](URL) in the text, each replaced by the model's image placeholder.
@@ -253,9 +253,12 @@ async def tokenize(body: TokenizeRequest, request: Request):
     if urls:  # each image's placeholder tokens, as many as the request would use (no character offsets)
         ids, _ = await encode_prompt(state, text, urls, body.add_special_tokens, "inputs")
         return [{"id": i, "text": tokenizer.token_text(i), "start": 0, "stop": 0} for i in ids]
-    ids = tokenizer.encode(body.inputs, add_special_tokens=body.add_special_tokens)
-    encoding = tokenizer.hf(body.inputs, add_special_tokens=body.add_special_tokens, return_offsets_mapping=True)
-    offsets = encoding.get("offset_mapping") or [(0, 0)] * len(ids)
+    def encode() -> tuple[list[int], list]:  # off the event loop (a long input takes the tokenizer seconds)
+        ids = tokenizer.encode(body.inputs, add_special_tokens=body.add_special_tokens)
+        encoding = tokenizer.hf(body.inputs, add_special_tokens=body.add_special_tokens, return_offsets_mapping=True)
+        return ids, encoding.get("offset_mapping") or [(0, 0)] * len(ids)
+
+    ids, offsets = await asyncio.to_thread(encode)
     return [
         {"id": i, "text": tokenizer.token_text(i), "start": start, "stop": stop}
         for i, (start, stop) in zip(ids, offsets)

@@ -179,7 +179,7 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> lis
     jobs = []
     for p, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            ids, text = tokenizer.encode(prompt, add_special_tokens=True), prompt
+            ids, text = await asyncio.to_thread(tokenizer.encode, prompt, add_special_tokens=True), prompt
         else:
             if any(not 0 <= i < tokenizer.vocab_size for i in prompt):
                 raise BadRequest(f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
@@ -202,7 +202,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
         if not state.core.takes_images:
             raise BadRequest(f"model {state.model_id!r} does not take images (it is a text-only model)", "messages")
     try:
-        prompt = chat_prompt(state, messages, plan)
+        prompt = await asyncio.to_thread(chat_prompt, state, messages, plan)  # templates can be slow: off the loop
     except Exception as exc:  # no template, or the template refused these messages
         raise BadRequest(f"messages cannot be turned into a prompt: {exc}", "messages") from exc
     ids, images = await encode_prompt(state, prompt, urls, False, "messages")
