@@ -87,14 +87,16 @@ class ServerState:
 
         Raises AdapterNotFound or AdapterInvalid; only this request waits for the load.
         """
+        # Loaded, its log and metric label becomes its canonical id (one per adapter, not one per alias).
+        canonical = self.adapters.canonical_id
         if merged is not None:
             adapter = await self.adapters.get_merged(merged, source)
-            note_adapter(None, [self.adapters.key(i, source) for i in merged.ids])  # as below
+            note_adapter(None, [canonical(i, self.adapters.source_of(source)) for i in merged.ids])
             return adapter
         if not adapter_id:
             return None
         adapter = await self.adapters.get(adapter_id, source)
-        note_adapter(adapter.adapter_id)  # the log's and metrics' label: one per adapter, not one per alias
+        note_adapter(canonical(adapter_id, self.adapters.source_of(source)))
         return adapter
 
     async def generate(

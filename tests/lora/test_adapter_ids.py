@@ -207,11 +207,11 @@ def test_the_metric_label_is_the_canonical_id(store, root):
     state = ServerState(engine=None, config=None, metrics=None, adapters=store)
     record = request_log.RequestRecord("r", "POST", "/generate")
 
-    async def serve(adapter_id=None, merged=None):
+    async def serve(adapter_id=None, merged=None, source=None):
         token = request_log._current.set(record)
         try:
             request_log.note_adapter(adapter_id, merged.ids if merged else ())  # as the routes do
-            await state.adapter(adapter_id, None, merged)
+            await state.adapter(adapter_id, source, merged)
         finally:
             request_log._current.reset(token)
 
@@ -219,3 +219,10 @@ def test_the_metric_label_is_the_canonical_id(store, root):
     assert record.adapter == "name-nova"
     asyncio.run(serve(merged=MergeSpec(("name-nova/.", "team/b/"), (0.5, 0.5))))
     assert record.adapter == "name-nova,team/b"
+    # Another source than the default: the label is the id, not the key ("local:team/b").
+    state.adapters = AdapterStore(BASE, MAX_RANK, roots=[root], default_source="hub")
+    try:
+        asyncio.run(serve("./team/b", source="local"))
+        assert record.adapter == "team/b"
+    finally:
+        state.adapters.close()
