@@ -389,23 +389,28 @@ def load_adapter_dir(
     path: pathlib.Path, adapter_id: str, base: BaseShapes, max_rank: int, base_weight: BaseWeight | None = None,
     checkpoint_name: CheckpointName | None = None,
 ) -> LoraAdapter:
-    """Read a PEFT adapter directory (safetensors only: pickles are refused, never opened)."""
+    """Read a PEFT adapter directory (safetensors only: pickles are refused, never opened).
+
+    Errors name the adapter by `adapter_id` and its files by their names in it, never by `path` (a client
+    reads them; where the server keeps adapters is none of its business)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     config_path, weights_path = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
     if not config_path.is_file():
-        raise AdapterNotFound(f"adapter {adapter_id!r}: no {ADAPTER_CONFIG} in {path}")
+        raise AdapterNotFound(f"adapter {adapter_id!r}: no {ADAPTER_CONFIG} in the adapter's directory")
     if not weights_path.is_file():
         if (path / "adapter_model.bin").exists():
             raise AdapterInvalid(
                 f"adapter {adapter_id!r} has only adapter_model.bin (a pickle); only {ADAPTER_WEIGHTS} is read"
             )
-        raise AdapterNotFound(f"adapter {adapter_id!r}: no {ADAPTER_WEIGHTS} in {path}")
-    if config_path.stat().st_size > MAX_CONFIG_BYTES:
-        raise AdapterInvalid(f"adapter {adapter_id!r}: {ADAPTER_CONFIG} is larger than {MAX_CONFIG_BYTES} bytes")
+        raise AdapterNotFound(f"adapter {adapter_id!r}: no {ADAPTER_WEIGHTS} in the adapter's directory")
     try:
+        if config_path.stat().st_size > MAX_CONFIG_BYTES:
+            raise AdapterInvalid(f"adapter {adapter_id!r}: {ADAPTER_CONFIG} is larger than {MAX_CONFIG_BYTES} bytes")
         raw = json.loads(config_path.read_text())
+    except OSError as exc:  # its strerror only: the exception's text holds the path
+        raise AdapterInvalid(f"adapter {adapter_id!r}: {ADAPTER_CONFIG} cannot be read ({exc.strerror})") from exc
     except RecursionError:
         raise AdapterInvalid(f"adapter {adapter_id!r}: {ADAPTER_CONFIG} is nested too deeply") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -416,8 +421,11 @@ def load_adapter_dir(
         config = LoraConfig.from_dict(raw, max_rank)
         try:
             tensors = load_file(str(weights_path))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise AdapterInvalid(f"{ADAPTER_WEIGHTS} is not a valid safetensors file ({exc})") from exc
+        except OSError as exc:  # its strerror only: the exception's text holds the path
+            raise AdapterInvalid(f"{ADAPTER_WEIGHTS} cannot be read ({exc.strerror})") from exc
+        except (SafetensorError, ValueError) as exc:
+            reason = str(exc).replace(str(weights_path), ADAPTER_WEIGHTS)  # should safetensors ever name it
+            raise AdapterInvalid(f"{ADAPTER_WEIGHTS} is not a valid safetensors file ({reason})") from exc
         return adapter_from_tensors(adapter_id, config, tensors, base, base_weight, checkpoint_name)
     except AdapterInvalid as exc:
         raise AdapterInvalid(f"adapter {adapter_id!r}: {exc}") from None

@@ -8,12 +8,20 @@ only the requests that asked for that adapter. A refusal (AdapterInvalid) is rem
 `refusal_ttl_s`, so a stream of requests for a bad adapter does not redo the work; after that (or for
 "not found") the next request tries again, so fixed files are picked up.
 
-Sources:
+Sources, and the canonical id each gives an adapter (one adapter = one id = one cache entry, one
+`/v1/models` entry, one metric label; `key` computes it before the cache is looked at):
 - `local`: the id is a directory (absolute, or relative to an adapter root) that must resolve, after
-  symlinks, inside one of the `roots`. No roots: local loading is off.
+  symlinks, inside one of the `roots`. No roots: local loading is off. Canonical id: the resolved
+  directory's path relative to the first root holding it (`name-nova`, never `name-nova/./` or an
+  absolute path). A directory that this relative id would not reach (an earlier root holds one of the
+  same name) is refused rather than named by its server path.
 - `hub`: a Hugging Face repo id, read from the local HF cache; downloaded only when online and
-  `HF_HUB_OFFLINE` is not set.
-- `s3`: a directory in an S3 bucket, as LoRAX names it (lora/s3_source.py).
+  `HF_HUB_OFFLINE` is not set. Canonical id: the repo id exactly as given; malformed ones are refused.
+- `s3`: a directory in an S3 bucket, as LoRAX names it (lora/s3_source.py). Canonical id:
+  `s3://bucket/path`, however the bucket was named.
+
+Errors a client sees name the adapter by the id that client gave (never a server path, nor the alias
+another client used for the same adapter: loads and refusals are shared).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -35,6 +43,7 @@ import torch
 from loraplex.lora.adapter import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    AdapterError,
     AdapterInvalid,
     AdapterNotFound,
     BaseShapes,
@@ -44,7 +53,7 @@ from loraplex.lora.adapter import (
     load_adapter_dir,
 )
 from loraplex.lora.merge import MAJORITY_SIGN_METHODS, MERGE_STRATEGIES, merge_adapters
-from loraplex.lora.s3_source import s3_adapter_dir
+from loraplex.lora.s3_source import S3_PREFIX, bucket_and_prefix, s3_adapter_dir
 
 SOURCES = ("local", "hub", "s3")
 # How long a refused adapter (AdapterInvalid) is answered from memory before its files are read again.
@@ -108,12 +117,29 @@ class AdapterStore:
         return source
 
     def key(self, adapter_id: str, source: str | None = None) -> str:
-        """The name an adapter has inside the engine: its id, qualified when not from the default source."""
+        """The name an adapter has inside the engine: its canonical id, qualified when not from the default
+        source. Raises AdapterNotFound / AdapterInvalid for ids that name no adapter of that source."""
+        return self._adapter_names(adapter_id, source)[0]
+
+    def _adapter_names(self, adapter_id: str, source: str | None) -> tuple[str, str]:
+        """(key, canonical id)."""
         source = self.source_of(source)
-        return adapter_id if source == self.default_source else f"{source}:{adapter_id}"
+        canonical = self.canonical_id(adapter_id, source)
+        return (canonical if source == self.default_source else f"{source}:{canonical}"), canonical
+
+    def canonical_id(self, adapter_id: str, source: str) -> str:
+        """The one id of the adapter `adapter_id` names in `source` (see the module's docstring)."""
+        if source == "local":
+            # A few stat calls on the caller's thread: cheap next to a load, and needed before the cache.
+            return self._local_id(adapter_id)
+        if source == "s3":
+            bucket, prefix = bucket_and_prefix(adapter_id)
+            return f"{S3_PREFIX}{bucket}/{prefix}"
+        _check_repo_id(adapter_id)
+        return adapter_id
 
     def loaded_ids(self) -> list[str]:
-        """Ids of the adapters in the CPU cache, as clients name them (merges excluded)."""
+        """Canonical ids of the default source's adapters in the CPU cache (merges excluded)."""
         with self._lock:
             return [self._names[k] for k in self._cache if k in self._names]
 
@@ -128,22 +154,32 @@ class AdapterStore:
 
     def load(self, adapter_id: str, source: str | None = None) -> LoraAdapter:
         """The adapter, from the cache or loaded now (blocking). Raises AdapterNotFound / AdapterInvalid."""
-        return self._adapter_future(adapter_id, source).result()
+        names, future = self._adapter_future(adapter_id, source)
+        try:
+            return future.result()
+        except AdapterError as exc:
+            raise _as_named(exc, names, adapter_id) from exc
 
     async def get(self, adapter_id: str, source: str | None = None) -> LoraAdapter:
         """As `load`, without blocking the event loop."""
-        return await asyncio.wrap_future(self._adapter_future(adapter_id, source))
+        names, future = self._adapter_future(adapter_id, source)
+        try:
+            return await asyncio.wrap_future(future)
+        except AdapterError as exc:
+            raise _as_named(exc, names, adapter_id) from exc
 
     async def get_merged(self, spec: MergeSpec, source: str | None = None) -> LoraAdapter:
         """The weighted merge of `spec.ids` (each loaded as by `get`), cached like any adapter."""
         _check_spec(spec)
         parts = [await self.get(adapter_id, source) for adapter_id in spec.ids]
+        spec = replace(spec, ids=tuple(part.adapter_id for part in parts))  # keyed by canonical ids
         key = spec.key(self.source_of(source))
         return await asyncio.wrap_future(self._future(key, lambda k: _merge(k, parts, spec), listed=False))
 
-    def _adapter_future(self, adapter_id: str, source: str | None) -> Future:
-        key = self.key(adapter_id, source)
-        return self._future(key, lambda k: self._read(k, adapter_id, source), self._listed(source))
+    def _adapter_future(self, adapter_id: str, source: str | None) -> tuple[tuple[str, str], Future]:
+        """((key, canonical id): the names its errors may give the adapter, the future)."""
+        (key, canonical), source = self._adapter_names(adapter_id, source), self.source_of(source)
+        return (key, canonical), self._future(key, lambda k: self._read(k, canonical, source), self._listed(source))
 
     def _listed(self, source: str | None) -> bool:
         """Listed adapters are those a client can name by their key alone (the default source's)."""
@@ -200,6 +236,17 @@ class AdapterStore:
 
     # ---- sources -----------------------------------------------------------------------------------
 
+    def _local_id(self, adapter_id: str) -> str:
+        """The resolved directory's path relative to the first root holding it."""
+        path = self._local_dir(adapter_id)
+        root = next(root for root in self.roots if path.is_relative_to(root))
+        relative = path.relative_to(root).as_posix()
+        if self._local_dir(relative) != path:  # only reachable by its absolute path: not given a name
+            raise AdapterInvalid(
+                f"adapter {adapter_id!r} is hidden by the adapter {relative!r} of an earlier adapter root"
+            )
+        return relative
+
     def _local_dir(self, adapter_id: str) -> pathlib.Path:
         if not self.roots:
             raise AdapterNotFound(
@@ -217,7 +264,8 @@ class AdapterStore:
                         self._check_inside_roots(adapter_id, (resolved / name).resolve())
                     return resolved
         except (ValueError, OSError, RuntimeError) as exc:  # NUL bytes, names too long, unknown ~user
-            raise AdapterNotFound(f"adapter {adapter_id!r} cannot name a directory ({exc})") from exc
+            # Not `exc` itself: an OSError's text carries the server's path.
+            raise AdapterNotFound(f"adapter {adapter_id!r} cannot name a directory ({type(exc).__name__})") from exc
         raise AdapterNotFound(f"adapter {adapter_id!r} not found in the adapter roots")
 
     def _check_inside_roots(self, adapter_id: str, path: pathlib.Path) -> None:
@@ -228,16 +276,32 @@ class AdapterStore:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _check_repo_id(repo_id: str) -> None:
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise AdapterNotFound(f"adapter {repo_id!r} is not a valid Hugging Face repo id") from exc
+
+
+def _as_named(exc: AdapterError, names: tuple[str, ...], adapter_id: str) -> AdapterError:
+    """`exc` (raised once for everyone who asked for the adapter `names` name) naming it as this client did."""
+    message, named = str(exc), f"adapter {adapter_id!r}"
+    for prefix in (f"adapter {name!r}" for name in names):
+        if message.startswith(prefix):
+            return type(exc)(named + message[len(prefix):])
+    return type(exc)(message)  # a fresh exception: the shared one is raised in several requests
+
+
 def _hub_dir(repo_id: str) -> pathlib.Path:
     """A hub adapter's snapshot directory (the HF cache; downloads only when online)."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError
 
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     try:
         path = snapshot_download(repo_id, allow_patterns=[ADAPTER_CONFIG, ADAPTER_WEIGHTS], local_files_only=offline)
-    except HFValidationError as exc:
-        raise AdapterNotFound(f"adapter {repo_id!r} is not a valid Hugging Face repo id") from exc
     except Exception as exc:  # noqa: BLE001 — not cached / no network / no such repo: all "not found"
         where = "in the local Hugging Face cache" if offline else "on the Hugging Face Hub or in its cache"
         raise AdapterNotFound(f"adapter {repo_id!r} not found {where}") from exc

@@ -7,9 +7,11 @@ protocol <-> `SamplingParams` / `RequestOutput`.
 
 from __future__ import annotations
 
+import string
 import time
 import uuid
 from dataclasses import dataclass, field
+from urllib.parse import quote
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -22,6 +24,7 @@ from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.store import AdapterStore, MergeSpec
 from loraplex.params import SamplingParams, TokenInfo
 from loraplex.server.metrics import BASE_ADAPTER, Metrics
+from loraplex.server.request_log import note_adapter
 
 
 @dataclass
@@ -84,11 +87,17 @@ class ServerState:
 
         Raises AdapterNotFound or AdapterInvalid; only this request waits for the load.
         """
+        # Loaded, its log and metric label becomes its canonical id (one per adapter, not one per alias).
+        canonical = self.adapters.canonical_id
         if merged is not None:
-            return await self.adapters.get_merged(merged, source)
+            adapter = await self.adapters.get_merged(merged, source)
+            note_adapter(None, [canonical(i, self.adapters.source_of(source)) for i in merged.ids])
+            return adapter
         if not adapter_id:
             return None
-        return await self.adapters.get(adapter_id, source)
+        adapter = await self.adapters.get(adapter_id, source)
+        note_adapter(canonical(adapter_id, self.adapters.source_of(source)))
+        return adapter
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, adapter: LoraAdapter | None = None,
@@ -131,9 +140,14 @@ async def run_to_end(
     return Finished(final, tokens)
 
 
+# Printable ASCII but "%" stays as it is in the header; the rest (spaces, controls, non-ASCII) is percent-encoded.
+_HEADER_SAFE = string.punctuation.replace("%", "")
+
+
 def adapter_header(adapter: LoraAdapter | None) -> dict[str, str]:
-    """`x-adapter-id`: the adapter that served the request (absent for the base model)."""
-    return {} if adapter is None else {"x-adapter-id": adapter.adapter_id}
+    """`x-adapter-id`: the adapter that served the request (absent for the base model), by its canonical id,
+    percent-encoded where a header could not carry it (latin-1 only, no controls)."""
+    return {} if adapter is None else {"x-adapter-id": quote(adapter.adapter_id, safe=_HEADER_SAFE)}
 
 
 def get_state(request: Request) -> ServerState:

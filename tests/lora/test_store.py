@@ -210,7 +210,7 @@ def test_ids_that_cannot_name_a_directory_are_refused_as_adapter_errors(store, a
 
 def test_unknown_source_is_invalid(store, root):
     write_adapter(root / "a")
-    assert "adapter_source 's3'" in refused(store, "a", source="s3")
+    assert "adapter_source 'gcs'" in refused(store, "a", source="gcs")
 
 
 # ---- what is found but not served --------------------------------------------------------------------
