@@ -86,7 +86,8 @@ async def resolve_model(state: ServerState, body: SamplingFields) -> Served:
     """
     requested = body.model if body.model != state.model_id else None
     if body.adapter_id:
-        if requested and requested != body.adapter_id:
+        store, source = state.adapters, body.adapter_source
+        if requested and store.key(requested, source) != store.key(body.adapter_id, source):  # aliases agree
             raise BadRequest(f"model {body.model!r} and adapter_id {body.adapter_id!r} name different adapters",
                              "adapter_id")
         requested = body.adapter_id

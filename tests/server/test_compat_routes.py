@@ -75,6 +75,8 @@ def test_openai_adapter_id_extra_selects_the_adapter(client):
     assert caps.json()["model"] == "style-caps"
     assert caps.json()["choices"][0]["message"]["content"] == named.json()["choices"][0]["message"]["content"]
     assert caps.json()["choices"][0]["message"]["content"] != base.json()["choices"][0]["message"]["content"]
+    alias = chat(model="style-caps/.", adapter_id="style-caps")  # one adapter, two spellings
+    assert alias.status_code == 200
     conflict = chat(model="name-nova", adapter_id="style-caps")
     assert conflict.status_code == 400 and conflict.json()["error"]["param"] == "adapter_id"
     missing = chat(adapter_id="no-such-adapter")
