@@ -249,6 +249,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         validation_workers=args.validation_workers,
         request_timeout_s=args.request_timeout_s,
         max_request_bytes=args.max_request_bytes,
+        api_keys=tuple(args.api_key or ()),
     )
     app = create_app(AsyncEngine(engine), server_config)
     # Bind before saying "ready": from that line on, connections queue in the backlog.
@@ -296,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="abort a request still running after this many seconds (504 when nothing was sent yet)")
     serve.add_argument("--max-request-bytes", type=int, default=_env("MAX_REQUEST_BYTES", 32 * 1024 * 1024, int),
                        help="refuse request bodies larger than this (413), before parsing them")
+    serve.add_argument("--api-key", action="append", default=_env("API_KEY", None, lambda v: v.split(",")),
+                       help="require this key (Authorization: Bearer KEY) on every route but /health (repeatable; "
+                            "the environment variable takes a comma-separated list)")
     serve.add_argument("--otlp-endpoint", default=_env("OTLP_ENDPOINT"),
                        help="send a trace span per request to this OpenTelemetry collector, over OTLP/HTTP "
                             "(e.g. http://collector:4318; needs the otlp extra)")

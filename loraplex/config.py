@@ -597,6 +597,7 @@ class ServerConfig:
     max_best_of: int = 2
     default_max_new_tokens: int = 20  # when a request names none
     request_timeout_s: float | None = None  # a request still running after this long is aborted (504 if unanswered)
+    api_keys: tuple[str, ...] = ()  # when set, every route but /health needs `Authorization: Bearer KEY`
     # Request bodies larger than this are refused (413) before they are parsed (TGI's --payload-limit). Images
     # sent as data URLs count: raise it for many large ones.
     max_request_bytes: int = 32 * 1024 * 1024

@@ -15,6 +15,7 @@ from loraplex.server import native, openai_routes, playground
 from loraplex.server.docs import mount_docs
 from loraplex.server.errors import install_error_handlers
 from loraplex.server.metrics import Metrics
+from loraplex.server.auth import ApiKeys
 from loraplex.server.disconnects import CancelOnDisconnect
 from loraplex.server.request_log import RequestLog
 from loraplex.server.state import ServerState, get_state
@@ -32,6 +33,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         app.add_middleware(
             CORSMiddleware, allow_origins=list(state.config.cors_allow_origin), allow_methods=["*"], allow_headers=["*"]
         )
+    if config.api_keys:
+        app.add_middleware(ApiKeys, keys=config.api_keys)
     app.add_middleware(CancelOnDisconnect, timeout_s=config.request_timeout_s, max_body_bytes=config.max_request_bytes)
     app.add_middleware(RequestLog)  # added last: outermost, so its line has the status CORS answered too
     install_error_handlers(app)

@@ -1,0 +1,37 @@
+"""`--api-key`: every route but /health answers only requests bearing one of the server's keys
+(`Authorization: Bearer KEY`, as OpenAI clients send their api_key). /health stays open for load balancers'
+probes. Keys are compared in constant time; a refusal says nothing about which keys exist.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Sequence
+
+from loraplex.server.errors import native_error, openai_error
+
+OPEN_PATHS = ("/health",)
+
+
+class ApiKeys:
+    def __init__(self, app, keys: Sequence[str]) -> None:
+        self.app = app
+        self.keys = [key.encode() for key in keys]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS or self._allowed(scope):
+            return await self.app(scope, receive, send)
+        message = "a valid API key is required: send it as 'Authorization: Bearer KEY'"
+        response = (openai_error(401, message, "authentication_error", code="invalid_api_key")
+                    if scope["path"].startswith("/v1/") else native_error(401, message, "unauthorized"))
+        response.headers["www-authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+    def _allowed(self, scope) -> bool:
+        given = next((value for name, value in scope.get("headers", ()) if name == b"authorization"), b"")
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        token = token.strip()
+        # Every key is compared (no early exit): the time taken does not tell which one was close.
+        return sum(hmac.compare_digest(token, key) for key in self.keys) > 0
