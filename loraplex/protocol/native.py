@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import json
-from typing import Literal
+from dataclasses import replace
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from loraplex.params import GrammarSpec, SamplingParams, TokenInfo
+from loraplex.protocol.base import (
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SAMPLING_EPS,
+    RequestModel,
+    finite_logprob,
+)
+from loraplex.protocol.openai import ChatMessage
 from loraplex.protocol.structured_output import response_format_spec
 
+# A temperature above this is noise already (TGI sets no bound; float32 overflows past 3.4e38).
+MAX_TEMPERATURE = 100.0
+_MESSAGES = TypeAdapter(list[ChatMessage])
 
-class MergedAdapters(BaseModel):
+
+class MergedAdapters(RequestModel):
     """Serve a weighted merge of adapters (as PEFT's add_weighted_adapter builds it)."""
 
     ids: list[str]
@@ -22,7 +35,7 @@ class MergedAdapters(BaseModel):
     majority_sign_method: Literal["total", "frequency"] | None = "total"
 
 
-class GenerateParameters(BaseModel):
+class GenerateParameters(RequestModel):
     adapter_id: str | None = None
     adapter_source: str | None = None
     merged_adapters: MergedAdapters | None = None
@@ -30,12 +43,12 @@ class GenerateParameters(BaseModel):
     best_of: int | None = Field(default=None, ge=1)
     max_new_tokens: int | None = Field(default=None, ge=1)
     do_sample: bool = False
-    temperature: float | None = Field(default=None, gt=0.0)
+    temperature: float | None = Field(default=None, gt=0.0, le=MAX_TEMPERATURE)  # below SAMPLING_EPS: greedy
     top_k: int | None = Field(default=None, gt=0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     typical_p: float | None = Field(default=None, gt=0.0, le=1.0)
     min_p: float | None = Field(default=None, ge=0.0, lt=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     stop: list[str] = Field(default_factory=list)
@@ -66,7 +79,7 @@ class GenerateParameters(BaseModel):
         return response_format_spec(self.response_format, "parameters.response_format")
 
     def to_sampling_params(self, max_new_tokens: int, seed: int | None = None) -> SamplingParams:
-        return SamplingParams(
+        params = SamplingParams(
             max_new_tokens=max_new_tokens,
             do_sample=self.do_sample,
             temperature=self.temperature or 1.0,
@@ -85,21 +98,43 @@ class GenerateParameters(BaseModel):
             grammar=self.output_grammar(),
             cache_salt=self.cache_salt,
         )
+        if self.temperature is not None and self.temperature < SAMPLING_EPS:  # vLLM's rule: greedy, warpers off
+            return replace(params, do_sample=False, temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0, min_p=0.0)
+        return params
 
 
-class GenerateRequest(BaseModel):
+def _messages_in(inputs: str) -> list[Any] | None:
+    """`inputs` as a JSON list of messages (objects with a role), else None: the text is one user turn."""
+    try:
+        messages = json.loads(inputs)
+    except (ValueError, RecursionError):  # not JSON (or nested past what json parses)
+        return None
+    if isinstance(messages, list) and all(isinstance(m, dict) and "role" in m for m in messages):
+        return messages
+    return None
+
+
+class GenerateRequest(RequestModel):
     inputs: str = Field(min_length=1)
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
 
+    @model_validator(mode="after")
+    def _chat_messages_by_schema(self) -> "GenerateRequest":
+        """Messages in `inputs` are checked as the OpenAI chat route checks its own (roles, content, text)."""
+        messages = _messages_in(self.inputs) if self.parameters.apply_chat_template else None
+        if messages is not None:
+            try:
+                _MESSAGES.validate_python(messages)
+            except ValidationError as exc:
+                first = max(exc.errors(), key=lambda e: len(e["loc"]))  # a union's furthest branch
+                where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+                raise ValueError(f"inputs (chat messages){where}: {first['msg']}") from None
+        return self
+
     def chat_messages(self) -> list[dict]:
         """`inputs` as chat messages when apply_chat_template is set: a JSON list of messages, or one user turn."""
-        try:
-            messages = json.loads(self.inputs)
-        except json.JSONDecodeError:
-            return [{"role": "user", "content": self.inputs}]
-        if isinstance(messages, list) and all(isinstance(m, dict) and "role" in m for m in messages):
-            return messages
-        return [{"role": "user", "content": self.inputs}]
+        messages = _messages_in(self.inputs)
+        return [{"role": "user", "content": self.inputs}] if messages is None else messages
 
 
 class CompatGenerateRequest(GenerateRequest):
@@ -108,7 +143,7 @@ class CompatGenerateRequest(GenerateRequest):
     stream: bool = False
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     inputs: str
     add_special_tokens: bool = True
 
@@ -119,6 +154,11 @@ class Token(BaseModel):
     logprob: float | None = None
     special: bool = False
     alternative_tokens: list["Token"] | None = None
+
+    @field_validator("logprob")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        return None if value is None else finite_logprob(value)  # None: the first prompt token has none
 
     @classmethod
     def of(cls, info: TokenInfo) -> "Token":

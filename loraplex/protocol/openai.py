@@ -5,7 +5,8 @@ server cannot serve yet (`check()` raises `Unsupported` naming the field; the ro
 Structured output fields become one grammar (protocol/structured_output.py); tools, tool choice and tool
 messages are read with protocol/tools/.
 Checks that need the server's limits or tokenizer (stop count, prompt length, model name, n) live in
-server/openai_routes.py. Unknown fields are ignored, as vLLM does.
+server/openai_routes.py. Unknown fields are ignored, as OpenAI and vLLM do (clients send fields of newer API
+versions). Every request model is a `RequestModel` (protocol/base.py): text and finite numbers only.
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ from pydantic import BaseModel, Field, field_validator, model_serializer
 
 from loraplex.engine.request import FinishReason
 from loraplex.params import SamplingParams, TokenInfo
+from loraplex.protocol.base import (
+    MAX_REPETITION_PENALTY,
+    MIN_LOGPROB,  # noqa: F401 (the floor reported logprobs are clamped to; imported from here)
+    MIN_REPETITION_PENALTY,
+    SAMPLING_EPS,
+    RequestModel,
+    finite_logprob,
+)
 from loraplex.protocol.errors import Unsupported
 from loraplex.protocol.structured_output import (
     Constraint,
@@ -31,11 +40,9 @@ from loraplex.protocol.tools.definitions import ToolChoice, ToolDefinition, Tool
 from loraplex.protocol.tools.parsers import Delta, ToolCall
 
 FinishReasonName = Literal["stop", "length", "tool_calls"]
-MIN_LOGPROB = -9999.0  # JSON has no -inf
-
-
 def logprob(value: float | None) -> float:
-    return MIN_LOGPROB if value is None else max(value, MIN_LOGPROB)
+    """None (no logprob), -inf (a masked token) and NaN are reported as MIN_LOGPROB: JSON cannot carry them."""
+    return finite_logprob(value)
 
 
 def finish_reason_name(reason: FinishReason | None) -> FinishReasonName:
@@ -46,11 +53,11 @@ def finish_reason_name(reason: FinishReason | None) -> FinishReasonName:
 # ---- requests ------------------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestModel):
     """What completions and chat completions share."""
 
     model: str | None = None
@@ -69,7 +76,7 @@ class SamplingFields(BaseModel):
     # Extensions (the openai client sends them as `extra_body`), as vLLM and LoRAX name them.
     top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
     min_p: float | None = Field(default=None, ge=0.0, lt=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
@@ -126,7 +133,8 @@ class SamplingFields(BaseModel):
         return one_constraint(self.output_constraints())
 
     def to_sampling_params(self, max_tokens: int, top_n: int = 0, prompt_logprobs: bool = False) -> SamplingParams:
-        """OpenAI semantics: temperature 0 is greedy (other warpers off); otherwise sampling (default 1.0)."""
+        """OpenAI semantics: temperature 0 (below SAMPLING_EPS, as vLLM) is greedy (other warpers off); otherwise
+        sampling (default 1.0)."""
         greedy = SamplingParams(
             max_new_tokens=max_tokens, seed=self.seed, stop=tuple(self.stops),
             stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -136,7 +144,7 @@ class SamplingFields(BaseModel):
             grammar=constraint[1] if (constraint := self.output_constraint()) else None, cache_salt=self.cache_salt,
         )
         temperature = 1.0 if self.temperature is None else self.temperature
-        if temperature == 0.0:
+        if temperature < SAMPLING_EPS:
             return greedy
         return replace(
             greedy, do_sample=True, temperature=temperature, top_k=max(0, self.top_k or 0), top_p=self.top_p or 1.0,
@@ -187,7 +195,7 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
 
-class ContentPart(BaseModel, extra="allow"):
+class ContentPart(RequestModel, extra="allow"):
     """One part of a message's content: {"type": "text", "text": ...} or {"type": "image_url",
     "image_url": {"url": ...}}; other types are refused by name."""
 
@@ -195,12 +203,12 @@ class ContentPart(BaseModel, extra="allow"):
     text: str | None = None
 
 
-class FunctionCallIn(BaseModel):
+class FunctionCallIn(RequestModel):
     name: str
     arguments: str  # JSON text
 
 
-class ToolCallIn(BaseModel):
+class ToolCallIn(RequestModel):
     """A call an earlier assistant message made."""
 
     id: str | None = None
@@ -216,7 +224,7 @@ class ToolCallIn(BaseModel):
         return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
 
 
-class ChatMessage(BaseModel, extra="allow"):
+class ChatMessage(RequestModel, extra="allow"):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -364,6 +372,11 @@ class TopLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
+
+    @field_validator("logprob")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        return finite_logprob(value)
 
 
 class TokenLogprob(TopLogprob):

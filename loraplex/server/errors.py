@@ -4,9 +4,12 @@ Native (LoRAX/TGI) routes: `{"error": "...", "error_type": "..."}` with 404 (ada
 (validation, invalid adapter), 424 (generation failed), 429 (overloaded), 503 (unhealthy). OpenAI
 routes (`/v1/...`): `{"error": {"message", "type", "param", "code"}}` with 400 (bad field, invalid
 adapter), 404 (unknown model or adapter), 429 (overloaded), 500 (generation failed).
+Any other exception is a 500 in the route's shape naming the request id (the traceback goes to the log only).
 """
 
 from __future__ import annotations
+
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,7 +19,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from loraplex.engine.engine import RequestRefused
 from loraplex.lora.adapter import AdapterInvalid, AdapterNotFound
 from loraplex.multimodal import MediaError
+from loraplex.server import request_log
 from loraplex.server.state import GenerationFailed, Overloaded
+
+log = logging.getLogger("loraplex.server")
 
 
 class ModelNotFound(LookupError):
@@ -35,12 +41,18 @@ def is_openai(request: Request) -> bool:
     return request.url.path.startswith("/v1/")
 
 
+def _utf8(text: str | None) -> str | None:
+    """Messages can quote the request (a dict key in an error's location): lone surrogates, escaped, so that
+    the error itself can be encoded."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def native_error(status: int, message: str, error_type: str) -> JSONResponse:
-    return JSONResponse({"error": message, "error_type": error_type}, status_code=status)
+    return JSONResponse({"error": _utf8(message), "error_type": error_type}, status_code=status)
 
 
 def openai_error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    body = {"error": {"message": _utf8(message), "type": kind, "param": _utf8(param), "code": code}}
     return JSONResponse(body, status_code=status)
 
 
@@ -72,7 +84,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         request.app.state.loraplex.metrics.on_failure("validation")
-        first = exc.errors()[0]
+        # The deepest error: of a union's branches (content: a string or parts), the one that got furthest.
+        first = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
         if is_openai(request):
@@ -88,6 +101,21 @@ def install_error_handlers(app: FastAPI) -> None:
                     else native_error(exc.status_code, message, kind))
         for name, value in (exc.headers or {}).items():  # e.g. 405's Allow
             response.headers[name] = value
+        return response
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """A bug: the client gets the API's error shape and the request id to report, the log the traceback.
+        Starlette runs this outermost (outside RequestLog), so the record is also read from the scope."""
+        record = request_log.current() or getattr(request.state, "log", None)
+        request_id = record.request_id if record else "-"
+        log.error("request_id=%s %s %s failed: %s", request_id, request.method, request.url.path,
+                  type(exc).__name__, exc_info=exc)
+        request.app.state.loraplex.metrics.on_failure("internal")
+        message = f"internal server error; request id {request_id}"
+        response = (openai_error(500, message, "server_error", code="internal_error") if is_openai(request)
+                    else native_error(500, message, "internal"))
+        response.headers["x-request-id"] = request_id
         return response
 
     for kind in (Overloaded, ModelNotFound, AdapterNotFound, AdapterInvalid, RequestRefused, BadRequest, MediaError, GenerationFailed):

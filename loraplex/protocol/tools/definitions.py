@@ -14,9 +14,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from loraplex.params import GrammarSpec
+from loraplex.protocol.base import RequestModel
 from loraplex.protocol.errors import Unsupported
 from loraplex.protocol.tools.parsers import (
     CallArrayParser,
@@ -30,7 +31,7 @@ from loraplex.protocol.tools.parsers import (
 ANY_ARGUMENTS: dict[str, Any] = {"type": "object"}  # a function declared without parameters
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(RequestModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule (and a dot, as vLLM allows)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema
@@ -41,16 +42,16 @@ class FunctionDefinition(BaseModel):
         return self.parameters if self.parameters is not None else ANY_ARGUMENTS
 
 
-class ToolDefinition(BaseModel):
+class ToolDefinition(RequestModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: NamedFunction
 
