@@ -191,7 +191,9 @@ async def generate_sse(state: ServerState, body: GenerateRequest):
                         finish_reason=out.finish_reason.value, prompt_tokens=out.num_prompt_tokens,
                         generated_tokens=out.num_generated_tokens, seed=sampled_seed(prepared.params, out.seed),
                     )
-                yield f"data: {json.dumps(_prune(event.model_dump(), keep=('generated_text', 'details')))}\n\n"
+                # allow_nan=False: a NaN must fail loudly, never go out as a literal the client cannot parse
+                event_json = json.dumps(_prune(event.model_dump(), keep=("generated_text", "details")), allow_nan=False)
+                yield f"data: {event_json}\n\n"
                 if out.finished:
                     return
                 out = await anext(outputs)

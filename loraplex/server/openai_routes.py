@@ -320,7 +320,7 @@ class ChoiceStream:
 
 
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"  # never a literal NaN
 
 
 @dataclass
