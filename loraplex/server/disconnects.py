@@ -20,7 +20,7 @@ import contextlib
 from loraplex.server import request_log
 from loraplex.server.errors import native_error, openai_error
 
-CLIENT_CLOSED = 499  # the status the request's log line gets (nginx's convention)
+CLIENT_CLOSED = 499  # the log line's status when the client left before any response (nginx's convention)
 
 
 def _error(scope, status: int, message: str, kind: str):
@@ -82,8 +82,8 @@ class CancelOnDisconnect:
             with contextlib.suppress(asyncio.CancelledError):
                 await app
             record = request_log.current()
-            if watcher in done:  # the client left
-                if record is not None:
+            if watcher in done:  # the client left (a response already started keeps its status; complete=false)
+                if record is not None and not started:
                     record.status = CLIENT_CLOSED
             elif not started:  # the deadline passed first
                 message = f"the request took longer than {self.timeout_s:g} s (--request-timeout-s)"
