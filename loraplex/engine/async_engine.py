@@ -3,6 +3,10 @@
 The engine is only ever touched by its thread. Callers talk to it through a command queue
 (add / abort); outputs come back through each request's asyncio.Queue via call_soon_threadsafe.
 The thread blocks on a condition when there is no work, so an idle server burns no CPU.
+
+If the thread itself dies (an error outside a step's own handling), every waiting caller is failed at once
+and later calls fail before they queue: nothing hangs on a queue nobody will fill, and `alive` says so (the
+server's /health answers 503).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -37,6 +42,8 @@ class AsyncEngine:
         self._subscribers: dict[str, _Subscriber] = {}
         self._ids = itertools.count()
         self._stopped = False
+        self.died: BaseException | None = None  # why the engine thread stopped, if it did
+        self.last_step_at: float | None = None  # time.monotonic() when a step last completed (None after a failure)
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
 
@@ -52,6 +59,8 @@ class AsyncEngine:
         the iteration early (client gone) aborts the request; its KV blocks are freed next step.
         """
         request_id = request_id or f"req-{next(self._ids)}"
+        if not self.alive:
+            raise RuntimeError(f"the engine stopped: {self.died!r}")
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
         self._subscribers[request_id] = subscriber
         self._send(("add", request_id, prompt_ids, params, adapter, images))
@@ -84,6 +93,15 @@ class AsyncEngine:
                 f"grammar refused: {spec.kind} did not compile within {limit:g} s (grammar compile timeout)"
             ) from None
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread still runs (False once it died, or after shutdown)."""
+        return self.died is None and self._thread.is_alive()
+
+    def stepped_within(self, seconds: float) -> bool:
+        """Whether the thread is alive and completed a step in the last `seconds` (the model works right now)."""
+        return self.alive and self.last_step_at is not None and time.monotonic() - self.last_step_at <= seconds
+
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
@@ -101,6 +119,15 @@ class AsyncEngine:
     # ---- engine thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:  # noqa: BLE001 — whatever it was, no caller may wait for it forever
+            self.died = error
+            log.critical("the engine thread stopped", exc_info=error)
+            for request_id in list(self._subscribers):
+                self._deliver(request_id, RuntimeError(f"generation failed: the engine stopped ({error!r})"))
+
+    def _loop(self) -> None:
         while not self._stopped:
             with self._wake:
                 while not self._stopped and not self._commands and not self.engine.has_unfinished:
@@ -127,10 +154,12 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as error:  # a failed forward fails the running requests, not the server
             log.exception("engine step failed")
+            self.last_step_at = None  # the next health check runs a probe rather than trust earlier steps
             for request in list(self.engine.scheduler.running):
                 self.engine.abort_request(request.request_id)
                 self._deliver(request.request_id, RuntimeError(f"generation failed: {error}"))
             return
+        self.last_step_at = time.monotonic()
         for output in outputs:
             failed = output.error is not None  # this request alone failed; the others go on
             self._deliver(output.request_id, RuntimeError(f"generation failed: {output.error}") if failed else output)

@@ -267,9 +267,17 @@ async def tokenize(body: TokenizeRequest, request: Request):
     ]
 
 
+# /health answers at once when the engine completed a step this recently; otherwise it runs a one-token probe.
+HEALTH_RECENT_STEP_S = 5.0
+
+
 @router.get("/health")
 async def health(request: Request):
     state = get_state(request)
+    if not state.engine.alive:
+        return native_error(503, f"unhealthy: the engine stopped ({state.engine.died!r})", "unhealthy")
+    if state.engine.stepped_within(HEALTH_RECENT_STEP_S):  # busy and working: a probe would only queue behind
+        return JSONResponse({}, status_code=200)
     probe = [state.core.model_config.bos_token_id or 0]
     try:  # healthy means a forward pass works right now (straight to the engine: no slot, no metrics)
         async for _ in state.engine.generate(probe, SamplingParams(max_new_tokens=1)):
