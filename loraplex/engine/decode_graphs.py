@@ -36,7 +36,6 @@ from loraplex.layers.forward_context import (
     LoraRowSlots,
     forward_context,
 )
-from loraplex.layers.kernels import graph_warm_up
 from loraplex.lora.layers import LoraSlots
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -130,8 +129,10 @@ class DecodeGraphs:
         ctx = self._context(bucket, layers)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), forward_context(ctx), graph_warm_up():  # compiles the kernels, warms the allocator
+        ctx.graph_warm_up = True
+        with torch.cuda.stream(side), forward_context(ctx):  # compiles the kernels, warms the allocator
             self._forward(bucket)
+        ctx.graph_warm_up = False  # the capture itself is told by torch.cuda.is_current_stream_capturing()
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

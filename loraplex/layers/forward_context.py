@@ -172,6 +172,13 @@ class ForwardContext:
     kv_caches: list[Any]  # per attention layer, in the backend's own layout
     backend: Any  # an AttentionBackend
     lora: LoraRows | None = None  # None: no adapter in this step
+    # The eager pass before a CUDA graph capture: layers take the kernels the capture will (compiling them first).
+    graph_warm_up: bool = False
+
+
+def in_graph_warm_up() -> bool:
+    """Whether the running forward pass is the eager one that precedes a CUDA graph capture."""
+    return _current is not None and _current.graph_warm_up
 
 
 def current_lora_rows() -> LoraRows | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hmac
 from typing import Sequence
 
-from loraplex.server.errors import native_error, openai_error
+from loraplex.server.errors import error_for_path
 
 OPEN_PATHS = ("/health",)
 
@@ -22,8 +22,8 @@ class ApiKeys:
         if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS or self._allowed(scope):
             return await self.app(scope, receive, send)
         message = "a valid API key is required: send it as 'Authorization: Bearer KEY'"
-        response = (openai_error(401, message, "authentication_error", code="invalid_api_key")
-                    if scope["path"].startswith("/v1/") else native_error(401, message, "unauthorized"))
+        response = error_for_path(scope["path"], 401, message, "unauthorized", "authentication_error",
+                                  code="invalid_api_key")
         response.headers["www-authenticate"] = "Bearer"
         await response(scope, receive, send)
 

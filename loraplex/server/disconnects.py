@@ -18,16 +18,9 @@ import asyncio
 import contextlib
 
 from loraplex.server import request_log
-from loraplex.server.errors import native_error, openai_error
+from loraplex.server.errors import error_for_path
 
 CLIENT_CLOSED = 499  # the log line's status when the client left before any response (nginx's convention)
-
-
-def _error(scope, status: int, message: str, kind: str):
-    """An error response in the shape of the route's API."""
-    if scope["path"].startswith("/v1/"):
-        return openai_error(status, message, "invalid_request_error", code=kind)
-    return native_error(status, message, kind)
 
 
 class CancelOnDisconnect:
@@ -37,7 +30,7 @@ class CancelOnDisconnect:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_large = _error(scope, 413, f"the request body is larger than {self.max_body_bytes} bytes "
+        too_large = error_for_path(scope["path"], 413, f"the request body is larger than {self.max_body_bytes} bytes "
                                        "(--max-request-bytes)", "payload_too_large")
         if self.max_body_bytes is not None and _content_length(scope) > self.max_body_bytes:
             return await too_large(scope, receive, send)
@@ -87,7 +80,7 @@ class CancelOnDisconnect:
                     record.status = CLIENT_CLOSED
             elif not started:  # the deadline passed first
                 message = f"the request took longer than {self.timeout_s:g} s (--request-timeout-s)"
-                await _error(scope, 504, message, "timeout")(scope, replay, send)
+                await error_for_path(scope["path"], 504, message, "timeout")(scope, replay, send)
         finally:
             watcher.cancel()
             if not app.done():

@@ -41,6 +41,15 @@ def is_openai(request: Request) -> bool:
     return request.url.path.startswith("/v1/")
 
 
+def error_for_path(path: str, status: int, message: str, kind: str, openai_type: str = "invalid_request_error",
+                   code: str | None = None) -> JSONResponse:
+    """An error in the shape of the API `path` belongs to: LoRAX's (`error_type` = kind), or under /v1/ OpenAI's
+    (`type` = openai_type, `code` = code or kind). For the handlers and middleware that have no route's models."""
+    if path.startswith("/v1/"):
+        return openai_error(status, message, openai_type, code=code or kind)
+    return native_error(status, message, kind)
+
+
 def _utf8(text: str | None) -> str | None:
     """Messages can quote the request (a dict key in an error's location): lone surrogates, escaped, so that
     the error itself can be encoded."""
@@ -97,8 +106,7 @@ def install_error_handlers(app: FastAPI) -> None:
         """Unknown routes and methods (404, 405) in the route's API shape, not FastAPI's `{"detail": ...}`."""
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http")
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        response = (openai_error(exc.status_code, message, "invalid_request_error", code=kind) if is_openai(request)
-                    else native_error(exc.status_code, message, kind))
+        response = error_for_path(request.url.path, exc.status_code, message, kind)
         for name, value in (exc.headers or {}).items():  # e.g. 405's Allow
             response.headers[name] = value
         return response
@@ -113,8 +121,7 @@ def install_error_handlers(app: FastAPI) -> None:
                   type(exc).__name__, exc_info=exc)
         request.app.state.loraplex.metrics.on_failure("internal")
         message = f"internal server error; request id {request_id}"
-        response = (openai_error(500, message, "server_error", code="internal_error") if is_openai(request)
-                    else native_error(500, message, "internal"))
+        response = error_for_path(request.url.path, 500, message, "internal", "server_error", code="internal_error")
         response.headers["x-request-id"] = request_id
         return response
 

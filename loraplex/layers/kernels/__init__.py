@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
-_warming_up = False  # an eager pass before a CUDA graph capture is running
+from loraplex.layers.forward_context import in_graph_warm_up
 
 
 @functools.cache
@@ -29,16 +27,6 @@ def fused_kernels_wanted(device: torch.device) -> bool:
     """Whether a layer should take its fused Triton kernel (elementwise.py) rather than its torch ops: only while a
     CUDA graph is being captured. An eager Triton launch costs tens of microseconds of host time, more than the
     few small torch kernels it replaces; in a graph that cost is paid once, at capture. The eager pass before a
-    capture (`graph_warm_up`) takes them too, so that they are compiled and loaded before the capture starts."""
-    return triton_available(device) and (_warming_up or torch.cuda.is_current_stream_capturing())
-
-
-@contextmanager
-def graph_warm_up() -> Iterator[None]:
-    """Around the eager run that precedes a CUDA graph capture: layers take the kernels the capture will."""
-    global _warming_up
-    previous, _warming_up = _warming_up, True
-    try:
-        yield
-    finally:
-        _warming_up = previous
+    capture (ForwardContext.graph_warm_up) takes them too, so that they are compiled and loaded before the capture
+    starts."""
+    return triton_available(device) and (in_graph_warm_up() or torch.cuda.is_current_stream_capturing())
