@@ -307,7 +307,10 @@ def bench_online(args, loaded: LoadedModel) -> list:
     warm = dataclasses.replace(warm, adapter_ranks=list(range(args.num_adapters)))
     run_online(engine, warm, adapters, "warm-up")
     results = []
+    # The same arrivals three ways: over every adapter, all on one adapter (the 1,000-adapters-vs-one
+    # ratio), and on the base model.
     for label, used in ((f"loraplex, {args.num_adapters} adapters / {slots} slots", adapters),
+                        ("loraplex, one adapter", [adapters[0]] * args.num_adapters),
                         ("loraplex, base model", None)):
         results.append(run_online(engine, workload, used, label))
         print(f"  online: {label}: {results[-1].makespan_s:.1f}s", file=sys.stderr, flush=True)

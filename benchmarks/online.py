@@ -194,5 +194,8 @@ def format_online(results: list[OnlineResult], setting: str) -> str:
             f"{lat['ttft_p99'] * 1e3:.1f} | {lat['tpot_p50'] * 1e3:.2f} | {lat['tpot_p99'] * 1e3:.2f} | "
             f"{lat['e2e_p50']:.2f} | {lat['e2e_p99']:.2f} | {r.max_running} |"
         )
+    first = results[0]
+    lines += ["", *(f"{first.system}: {first.tokens_per_s / r.tokens_per_s:.2f}x the output tok/s of {r.system}"
+                    for r in results[1:])]
     return "\n".join(lines)
 

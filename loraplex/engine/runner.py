@@ -40,6 +40,10 @@ from loraplex.sampling import Sampler, token_logprobs
 # matmul of the segmented form costs a launch; on a CPU, a Python call and a small BLAS call.
 # `python -m benchmarks.lora_kernels` measures both forms.
 STACKED_ROWS_PER_SEGMENT = {"cuda": 64, "cpu": 16}
+# On CUDA the per-row kernels take every segment shorter than this, however many there are, in one launch pair
+# per module; longer segments (prefill) keep a matmul pair each, where a row-by-row reading of the adapter would
+# cost more than the launches. A step's prefill budget bounds how many such segments it has.
+PER_ROW_LONGEST_SEGMENT = 1024
 
 
 @dataclass
@@ -357,18 +361,22 @@ class ModelRunner:
         """Which rows use which adapter this step (None: no row does).
 
         Many short segments (decode) use the stacked form: two matmuls per module for all adapters
-        at once instead of two per adapter; long segments (prefill) keep one pair each.
+        at once instead of two per adapter; long segments (prefill) keep one pair each. On CUDA the
+        per-row kernels take the short segments of any step, beside the long segments' pairs.
         """
         segments = lora_segments(slots, row_counts)
         if not segments:
             return None
         assert self.lora is not None, "a request has an adapter slot but the runner has no LoRA slots"
         lora = LoraRows(tokens=segments, logits=[], weights=self.lora.tables, dtype=self.lora.dtype)
+        if self.per_row_lora and len(segments) > 1:
+            short = [s for s in segments if s.end - s.start < PER_ROW_LONGEST_SEGMENT]
+            if short:
+                lora.row_slots["tokens"] = self._row_slots(short, sum(row_counts))
+                lora.tokens = [s for s in segments if s.end - s.start >= PER_ROW_LONGEST_SEGMENT]
+            return lora
         # Each adapter's group is padded to the longest: cap the longest, which bounds the padding.
         if len(segments) > 1 and max(s.end - s.start for s in segments) <= self.stacked_rows_per_segment:
-            if self.per_row_lora:
-                lora.row_slots["tokens"] = self._row_slots(segments, sum(row_counts))
-                return lora
             lora.stack = self.lora.stack(tuple(sorted({s.slot for s in segments})))
             lora.groups["tokens"] = lora.stack.groups(segments, self.device)
         return lora

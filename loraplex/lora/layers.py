@@ -86,12 +86,13 @@ class LoraLinear(nn.Module):
     def _add(self, out: torch.Tensor, x: torch.Tensor, rows) -> torch.Tensor:
         """`out` plus, row by row, the delta of the row's own adapter (in place)."""
         per_row = rows.row_slots.get(self.row_kind)
-        if per_row is not None:
-            if self.name not in per_row.layers:
-                return out
-            from loraplex.lora.kernels.bgmv import add_lora_rows  # Triton: CUDA only
+        if per_row is not None:  # the short segments' rows; the long ones (if any) are left as segments
+            if self.name in per_row.layers:
+                from loraplex.lora.kernels.bgmv import add_lora_rows  # Triton: CUDA only
 
-            return add_lora_rows(out, x, per_row.slots, per_row.tables, self.name, per_row.max_rank)
+                out = add_lora_rows(out, x, per_row.slots, per_row.tables, self.name, per_row.max_rank)
+            segments = rows.segments(self.row_kind)
+            return add_lora(out, x, segments, rows.weights[self.name]) if segments else out
         groups = rows.groups.get(self.row_kind) if rows.stack is not None else None
         if groups is not None:
             stacked = rows.stack.layers.get(self.name)

@@ -49,7 +49,7 @@ def test_smoke_run_prints_every_table_and_writes_json(smoke_run, capsys):
         assert set(r["ratios"]) == {"adapters_vs_peft", "base_vs_transformers", "adapters_vs_base"}
         assert r["roofline"]["adapters"]["bytes"]["adapters"] > 0 == r["roofline"]["base"]["bytes"]["adapters"]
     online = fixed["online"]
-    assert [o["requests"] for o in online] == [6, 6] and online[0]["output_tokens"] == online[1]["output_tokens"]
+    assert [o["requests"] for o in online] == [6, 6, 6] and len({o["output_tokens"] for o in online}) == 1
     assert all(o["ttft_p50"] <= o["ttft_p99"] and o["tpot_p50"] > 0 for o in online)
 
 
