@@ -1,8 +1,8 @@
 """What every route shares: the engine, the edge limits, metrics, and one way to run a request.
 
 `ServerState.generate` is the single path from a route to the engine: it enforces the admission limits
-(429 + Retry-After, server/admission.py), counts metrics, and turns engine failures into `GenerationFailed`. Routes only translate
-protocol <-> `SamplingParams` / `RequestOutput`.
+(429 + Retry-After, server/admission.py), counts metrics, and turns engine failures into `GenerationFailed`.
+Routes only translate protocol <-> `SamplingParams` / `RequestOutput`.
 """
 
 from __future__ import annotations
