@@ -52,6 +52,13 @@ def _non_negative(value: str) -> int:
     return number
 
 
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-id", default=_env("MODEL_ID"), help="HF directory, cached repo id or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=_env("DTYPE"), choices=["float32", "bfloat16", "float16"])
@@ -235,6 +242,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = _load_engine(args, show_progress=not args.json_output, log=logger.info if args.json_output else None)
     server_config = ServerConfig(
         max_concurrent_requests=args.max_concurrent_requests,
+        max_queued_tokens=args.max_queued_tokens,
         max_stop_sequences=args.max_stop_sequences,
         max_best_of=args.max_best_of,
         json_output=args.json_output,
@@ -289,7 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.add_argument("--hostname", default=_env("HOSTNAME_BIND", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=_env("PORT", 8080, int))
-    serve.add_argument("--max-concurrent-requests", type=int, default=_env("MAX_CONCURRENT_REQUESTS", 128, int))
+    serve.add_argument("--max-concurrent-requests", type=int, default=_env("MAX_CONCURRENT_REQUESTS", 128, int),
+                       help="requests in flight at once; more get 429 with a Retry-After header")
+    serve.add_argument("--max-queued-tokens", type=_positive, default=_env("MAX_QUEUED_TOKENS", None, _positive),
+                       help="prompt + max_new_tokens of the requests in flight (admitted, not finished: waiting, "
+                            "preempted or running); a request past it gets 429 with a Retry-After header, but one is "
+                            "always admitted when none is in flight (default: off; a few times the KV cache, /info's "
+                            "max_batch_total_tokens, bounds the queue's wait)")
     serve.add_argument("--max-stop-sequences", type=int, default=_env("MAX_STOP_SEQUENCES", 4, int))
     serve.add_argument("--max-best-of", type=int, default=_env("MAX_BEST_OF", 2, int))
     serve.add_argument("--json-output", action="store_true", default=_env("JSON_OUTPUT", False, _truthy))

@@ -593,6 +593,10 @@ class ServerConfig:
     """HTTP-edge limits and options (LoRAX's flag names and defaults where they apply)."""
 
     max_concurrent_requests: int = 128
+    # Admission limit on queued work: prompt + max_new_tokens of the requests in flight (admitted, not finished:
+    # waiting, preempted or running). A request past it gets 429 + Retry-After; one is always admitted when
+    # nothing is in flight. None: off (the concurrency limit and the engine's queue alone).
+    max_queued_tokens: int | None = None
     max_stop_sequences: int = 4
     max_best_of: int = 2
     default_max_new_tokens: int = 20  # when a request names none

@@ -94,6 +94,7 @@ class Scheduler:
         # Prefix caching: prompt tokens of admitted requests that looked for cached blocks, and those found.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.num_preemptions = 0  # ever, for /metrics: a cache too small for the admitted work shows here
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -296,6 +297,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.draft_ids = []  # guessed for a step it no longer takes
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         return request

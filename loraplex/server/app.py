@@ -28,6 +28,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     )
     config = config or ServerConfig()
     state = ServerState(engine, config, Metrics(engine.engine), adapter_store(engine.engine, config))
+    state.metrics.watch_admission(state.admission)
     app.state.loraplex = state
     if state.config.cors_allow_origin:
         app.add_middleware(

@@ -4,6 +4,7 @@ Native (LoRAX/TGI) routes: `{"error": "...", "error_type": "..."}` with 404 (ada
 (validation, invalid adapter), 424 (generation failed), 429 (overloaded), 503 (unhealthy). OpenAI
 routes (`/v1/...`): `{"error": {"message", "type", "param", "code"}}` with 400 (bad field, invalid
 adapter), 404 (unknown model or adapter), 429 (overloaded), 500 (generation failed).
+Every 429 carries `Retry-After` (whole seconds, >= 1; server/admission.py estimates it).
 Any other exception is a 500 in the route's shape naming the request id (the traceback goes to the log only).
 """
 
@@ -20,7 +21,8 @@ from loraplex.engine.engine import RequestRefused
 from loraplex.lora.adapter import AdapterInvalid, AdapterNotFound
 from loraplex.multimodal import MediaError
 from loraplex.server import request_log
-from loraplex.server.state import GenerationFailed, Overloaded
+from loraplex.server.admission import Overloaded
+from loraplex.server.state import GenerationFailed
 
 log = logging.getLogger("loraplex.server")
 
@@ -74,7 +76,9 @@ def error_response(request: Request, exc: Exception) -> JSONResponse:
         request.app.state.loraplex.metrics.on_failure(kind)
     openai = is_openai(request)
     if isinstance(exc, Overloaded):
-        return openai_error(429, str(exc), "rate_limit_error", code="overloaded") if openai else native_error(429, str(exc), "overloaded")
+        response = openai_error(429, str(exc), "rate_limit_error", code="overloaded") if openai else native_error(429, str(exc), "overloaded")
+        response.headers["Retry-After"] = str(exc.retry_after)
+        return response
     if isinstance(exc, (ModelNotFound, AdapterNotFound)):
         return openai_error(404, str(exc), "not_found_error", "model", "model_not_found") if openai else native_error(404, str(exc), "not_found")
     if isinstance(exc, AdapterInvalid):

@@ -20,6 +20,7 @@ from loraplex.server import request_log
 
 if TYPE_CHECKING:
     from loraplex.engine.engine import Engine, RequestOutput
+    from loraplex.server.admission import Admission
 
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -109,6 +110,10 @@ class Metrics:
         self.images.inc(count)
         self.image_processing.observe(seconds)
 
+    def watch_admission(self, admission: "Admission") -> None:
+        """Expose the server's admitted load (server/admission.py) at scrape time."""
+        self.registry.register(_AdmissionGauges(admission))
+
     def on_failure(self, kind: str) -> None:
         self.request_failure.labels(kind).inc()
 
@@ -193,6 +198,8 @@ class _EngineGauges:
                                       value=counters.encoded_images)
             yield CounterMetricFamily("loraplex_vision_encoder_seconds", "Seconds spent in the vision tower and projector",
                                       value=counters.encode_seconds)
+        yield CounterMetricFamily("vllm:num_preemptions", "Requests preempted (KV cache full), recomputed later",
+                                  value=scheduler.num_preemptions)
         yield from _spec_decode_counters(self.engine.spec_decode)
         info = GaugeMetricFamily(
             "vllm:lora_requests_info", "Adapters of running and waiting requests",
@@ -202,6 +209,22 @@ class _EngineGauges:
         slots = str(self.engine.scheduler.slots.num_slots)
         info.add_metric([",".join(adapters["running"]), ",".join(adapters["waiting"]), slots], time.time())
         yield info
+
+    def describe(self):
+        return []
+
+
+class _AdmissionGauges:
+    """Requests admitted and not finished, and their queued tokens (what the admission limits count)."""
+
+    def __init__(self, admission: "Admission") -> None:
+        self.admission = admission
+
+    def collect(self):
+        yield _gauge("loraplex_requests_in_flight", "Requests admitted and not finished (--max-concurrent-requests)",
+                     self.admission.in_flight)
+        yield _gauge("loraplex_queued_tokens", "Prompt + max_new_tokens of the requests in flight (--max-queued-tokens)",
+                     self.admission.queued_tokens)
 
     def describe(self):
         return []

@@ -301,6 +301,7 @@ async def info(request: Request):
         "model_dtype": str(core.dtype).removeprefix("torch."),
         "model_device_type": core.device.type,
         "max_concurrent_requests": state.config.max_concurrent_requests,
+        "max_queued_tokens": state.config.max_queued_tokens,  # null: off
         "max_best_of": state.config.max_best_of,
         "max_stop_sequences": state.config.max_stop_sequences,
         "max_input_length": core.config.max_input_length,

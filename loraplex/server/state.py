@@ -1,8 +1,8 @@
 """What every route shares: the engine, the edge limits, metrics, and one way to run a request.
 
-`ServerState.generate` is the single path from a route to the engine: it enforces the concurrency
-limit (429), counts metrics, and turns engine failures into `GenerationFailed`. Routes only translate
-protocol <-> `SamplingParams` / `RequestOutput`.
+`ServerState.generate` is the single path from a route to the engine: it enforces the admission limits
+(429 + Retry-After, server/admission.py), counts metrics, and turns engine failures into `GenerationFailed`.
+Routes only translate protocol <-> `SamplingParams` / `RequestOutput`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from loraplex.engine.images import ImageInputs
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.store import AdapterStore, MergeSpec
 from loraplex.params import SamplingParams, TokenInfo
+from loraplex.server.admission import Admission, Seat
 from loraplex.server.metrics import BASE_ADAPTER, Metrics
 from loraplex.server.request_log import note_adapter
 
@@ -39,10 +40,6 @@ class Finished:
         return sum(t.logprob or 0.0 for t in self.tokens)
 
 
-class Overloaded(Exception):
-    """More requests in flight than --max-concurrent-requests."""
-
-
 class GenerationFailed(RuntimeError):
     """The engine failed while running the request (not the caller's fault)."""
 
@@ -53,7 +50,7 @@ class ServerState:
     config: ServerConfig
     metrics: Metrics
     adapters: AdapterStore
-    in_flight: int = 0
+    admission: Admission = field(default_factory=Admission)
     started_at: float = field(default_factory=time.time)
 
     @property
@@ -68,17 +65,14 @@ class ServerState:
     def model_id(self) -> str:
         return self.core.model_id
 
-    def admit(self) -> None:
-        """Reserve a slot for one request, or raise Overloaded at once."""
-        if self.in_flight >= self.config.max_concurrent_requests:
-            raise Overloaded(
-                f"model is overloaded: {self.in_flight} requests in flight "
-                f"(max concurrent requests {self.config.max_concurrent_requests})"
-            )
-        self.in_flight += 1
+    @property
+    def in_flight(self) -> int:
+        return self.admission.in_flight
 
-    def release(self) -> None:
-        self.in_flight -= 1
+    def admit(self, prompt_tokens: int, max_new_tokens: int) -> Seat:
+        """Reserve a seat for one request, or raise Overloaded (with its Retry-After) at once."""
+        return self.admission.admit(prompt_tokens, max_new_tokens, self.config.max_concurrent_requests,
+                                    self.config.max_queued_tokens)
 
     async def adapter(
         self, adapter_id: str | None, source: str | None = None, merged: MergeSpec | None = None
@@ -105,17 +99,19 @@ class ServerState:
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs (with `adapter`, or the base model).
 
-        Before the first output it raises Overloaded (too many in flight) or RequestRefused (the engine
+        Before the first output it raises Overloaded (over an admission limit) or RequestRefused (the engine
         cannot take it); later, GenerationFailed when the engine fails mid-way. Closing the iterator
         aborts the request and frees its slot.
         """
-        self.admit()
+        seat = self.admit(len(prompt_ids), params.max_new_tokens)
         request_id = uuid.uuid4().hex
         label = adapter.adapter_id if adapter is not None else BASE_ADAPTER
         self.metrics.on_request(len(prompt_ids), label)
         stream = self.engine.generate(prompt_ids, params, request_id, adapter, images)
         try:
             async for out in stream:
+                if out.token is not None:
+                    self.admission.generated(seat)
                 if out.finished:
                     self.metrics.on_success(out, label)
                 yield out
@@ -124,7 +120,7 @@ class ServerState:
             raise GenerationFailed(str(exc)) from exc
         finally:
             await stream.aclose()
-            self.release()
+            self.admission.release(seat)
 
 
 async def run_to_end(

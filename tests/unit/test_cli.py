@@ -30,7 +30,8 @@ def test_version():
 def test_help_shows_defaults_and_environment_variables():
     text = " ".join(loraplex("serve", "--help").stdout.split())
     for expected in ("default: 4095; env MAX_INPUT_LENGTH", "env MODEL_ID", "default: 8080; env PORT",
-                     "env HOSTNAME_BIND", "--trust-remote-code", "--cuda-memory-fraction", "--max-waiting-tokens"):
+                     "env HOSTNAME_BIND", "--trust-remote-code", "--cuda-memory-fraction", "--max-waiting-tokens",
+                     "env MAX_QUEUED_TOKENS"):
         assert expected in text, expected
 
 
@@ -44,6 +45,15 @@ def test_lorax_launcher_flags_are_accepted():
     assert (args.cuda_memory_fraction, args.adapter_memory_fraction) == (0.9, 0.2)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--cuda-memory-fraction", "1.5"])
+
+
+def test_max_queued_tokens_is_off_by_default_and_comes_from_flag_or_environment(monkeypatch):
+    assert build_parser().parse_args(["serve"]).max_queued_tokens is None
+    assert build_parser().parse_args(["serve", "--max-queued-tokens", "5000"]).max_queued_tokens == 5000
+    monkeypatch.setenv("MAX_QUEUED_TOKENS", "7000")
+    assert build_parser().parse_args(["serve"]).max_queued_tokens == 7000
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-queued-tokens", "0"])
 
 
 @pytest.mark.parametrize("flags, message", [
