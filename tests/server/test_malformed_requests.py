@@ -98,6 +98,18 @@ def test_native_chat_template_messages_are_checked_after_parsing(client):
     refused(post(client, "/generate", body), "/generate", "content")
 
 
+@pytest.mark.parametrize("path", ["/generate", "/generate_stream", "/tokenize", "/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("content", [b"+\xff\x1ch\xc3h\xff\x12", b'{"inputs": "\xff"}'], ids=["bytes", "json-not-utf8"])
+def test_body_that_is_not_utf8_is_a_validation_error(client, path, content):
+    """FastAPI's own 400 for a body it cannot decode was a native 400 `error_type: http` (a code the native API
+    does not use for validation); now as a body that is not JSON: 422 validation (OpenAI: 400)."""
+    answer = client.post(path, content=content, headers={"content-type": "application/json"})
+    if path.startswith("/v1/"):
+        assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error", answer.text
+    else:
+        assert answer.status_code == 422 and answer.json()["error_type"] == "validation", answer.text
+
+
 # ---- chat messages on the native route -----------------------------------------------------------
 
 @pytest.mark.parametrize("messages,field", [
