@@ -110,6 +110,22 @@ def test_body_that_is_not_utf8_is_a_validation_error(client, path, content):
         assert answer.status_code == 422 and answer.json()["error_type"] == "validation", answer.text
 
 
+@pytest.mark.parametrize("path,body,field", [
+    ("/generate", {"inputs": "hi", "parameters": {"stop": ["ok", ""], "max_new_tokens": 1}}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": "", "max_tokens": 1}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": [""], "max_tokens": 1}, "stop"),
+    ("/v1/completions", {"prompt": [5, -1], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": [[5], []], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 1}, "prompt"),
+])
+def test_what_the_schema_states_is_refused(client, path, body, field):
+    """Empty stop sequences, negative token ids and empty prompt lists are refused by the request models (so the
+    OpenAPI document states them, and the schema fuzz does not generate them as valid)."""
+    refused(post(client, path, body), path, field)
+    schema = client.get("/openapi.json").json()["components"]["schemas"]
+    assert schema["CompletionRequest"]["properties"]["prompt"]["anyOf"][2]["items"]["minimum"] == 0
+
+
 # ---- chat messages on the native route -----------------------------------------------------------
 
 @pytest.mark.parametrize("messages,field", [

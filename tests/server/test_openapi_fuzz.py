@@ -39,7 +39,7 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions"),
 ]
 CAPPED = {"max_new_tokens": 2, "max_tokens": 2, "max_completion_tokens": 2, "n": 2, "best_of": 2}
-SENT: Counter = Counter()  # (operation, status class) -> requests
+SENT: Counter = Counter()  # (operation, mode, status class) -> requests
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_generated_requests_never_answer_5xx(client, schema, method, path, mode)
     @given(case=operation.as_strategy(generation_mode=mode))
     def fuzz(case):
         response = send(client, case)
-        SENT[f"{method} {path}", response.status_code // 100] += 1
+        SENT[f"{method} {path}", mode.value, response.status_code // 100] += 1
         if response.status_code >= 500:
             failures.append((response.status_code, case.body, case.query, response.text[:300]))
             return
@@ -124,7 +124,7 @@ def test_generated_requests_never_answer_5xx(client, schema, method, path, mode)
         case.validate_response(response, checks=[status_code_conformance, content_type_conformance])
 
     fuzz()
-    counts = ", ".join(f"{n} x {k}xx" for (op, k), n in sorted(SENT.items()) if op == f"{method} {path}")
+    counts = ", ".join(f"{n} x {k}xx" for (op, m, k), n in sorted(SENT.items()) if (op, m) == (f"{method} {path}", mode.value))
     print(f"\nfuzzed {method} {path} ({mode.value}): {counts}")
     assert not failures, f"{len(failures)} 5xx, e.g. {failures[:3]}"
 
@@ -133,13 +133,7 @@ def test_healthy_after_the_fuzz(client):
     assert client.get("/health").status_code == 200
     answer = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
     assert answer.status_code == 200, answer.text
-    total = sum(SENT.values())
-    print(f"\nfuzz total: {total} requests, " + ", ".join(
-        f"{n} x {k}xx" for k, n in sorted(Counter({k: 0 for k in ()} | _by_class()).items())))
-
-
-def _by_class() -> Counter:
-    out: Counter = Counter()
-    for (_, k), n in SENT.items():
-        out[k] += n
-    return out
+    by_class = Counter()
+    for (_, _, k), n in SENT.items():
+        by_class[k] += n
+    print(f"\nfuzz total: {sum(SENT.values())} requests: " + ", ".join(f"{n} x {k}xx" for k, n in sorted(by_class.items())))
