@@ -242,7 +242,14 @@ def free_port() -> int:
 
 @contextmanager
 def live_server(*args: str, ready_timeout: float = 180) -> Iterator[str]:
-    """`loraplex serve` in a subprocess on a free 127.0.0.1 port; yields its URL once it accepts.
+    """`loraplex serve` in a subprocess on a free 127.0.0.1 port; yields its URL once it accepts."""
+    with live_server_process(*args, ready_timeout=ready_timeout) as (url, _):
+        yield url
+
+
+@contextmanager
+def live_server_process(*args: str, ready_timeout: float = 180) -> Iterator[tuple[str, subprocess.Popen]]:
+    """As live_server, yielding (URL, the server's process) for tests that read the process itself (its memory).
 
     The server binds its socket before printing its ready line, so the line is the readiness signal.
     """
@@ -264,7 +271,7 @@ def live_server(*args: str, ready_timeout: float = 180) -> Iterator[str]:
     threading.Thread(target=drain, daemon=True).start()
     try:
         assert ready.wait(timeout=ready_timeout) and proc.poll() is None, "server did not start:\n" + "".join(log)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", proc
     finally:
         proc.terminate()
         proc.wait(timeout=30)

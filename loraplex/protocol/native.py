@@ -16,7 +16,7 @@ from loraplex.protocol.base import (
     RequestModel,
     finite_logprob,
 )
-from loraplex.protocol.openai import ChatMessage
+from loraplex.protocol.openai import ChatMessage, StopSequence
 from loraplex.protocol.structured_output import response_format_spec
 
 # A temperature above this is noise already (TGI sets no bound; float32 overflows past 3.4e38).
@@ -51,7 +51,7 @@ class GenerateParameters(RequestModel):
     repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    stop: list[str] = Field(default_factory=list)
+    stop: list[StopSequence] = Field(default_factory=list)
     seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
     truncate: int | None = Field(default=None, ge=1)
     return_full_text: bool = False
@@ -66,13 +66,6 @@ class GenerateParameters(RequestModel):
     response_format: dict | None = None
     # Prefix caching: requests share cached prompt blocks only with the same salt (vLLM's cache_salt).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
-
-    @field_validator("stop")
-    @classmethod
-    def _no_empty_stop(cls, stops: list[str]) -> list[str]:
-        if any(s == "" for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return stops
 
     def output_grammar(self) -> GrammarSpec | None:
         """The answer's constraint (Unsupported naming the field when response_format is not one we serve)."""

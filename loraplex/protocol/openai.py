@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_serializer
 
@@ -57,6 +57,9 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
+StopSequence = Annotated[str, Field(min_length=1)]  # an empty stop sequence would stop before any text
+
+
 class SamplingFields(RequestModel):
     """What completions and chat completions share."""
 
@@ -65,7 +68,7 @@ class SamplingFields(RequestModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int | None = Field(default=1, ge=1)
-    stop: str | list[str] | None = None
+    stop: StopSequence | list[StopSequence] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -96,10 +99,7 @@ class SamplingFields(RequestModel):
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, stop: str | list[str] | None) -> list[str]:
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(s == "" for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return stops
+        return [stop] if isinstance(stop, str) else list(stop or [])
 
     @property
     def stops(self) -> list[str]:
@@ -152,7 +152,11 @@ class SamplingFields(RequestModel):
         )
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+# What the server refuses whatever its model, stated in the schema (so the OpenAPI document says it too): negative
+# token ids, an empty list of prompts, a prompt of no token ids. (An empty string may tokenize to a BOS token.)
+TokenId = Annotated[int, Field(ge=0)]
+Prompt = str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] | Annotated[
+    list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
 
 
 class CompletionRequest(SamplingFields):

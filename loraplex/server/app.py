@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from loraplex import __version__
 from loraplex.config import ServerConfig
@@ -45,9 +45,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
 
     mount_docs(app)
 
-    @app.get("/metrics", include_in_schema=False)
+    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (text exposition format)")
     async def metrics(request: Request) -> Response:
-        return Response(get_state(request).metrics.exposition(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(get_state(request).metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     return app
 

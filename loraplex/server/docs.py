@@ -1,4 +1,5 @@
-"""OpenAPI docs at /docs with Swagger UI 5 served from the package's own files (offline; see static/swagger-ui)."""
+"""OpenAPI docs at /docs with Swagger UI 5 served from the package's own files (offline; see static/swagger-ui),
+and what the document says of streamed answers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,14 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.staticfiles import StaticFiles
 
 SWAGGER_UI = Path(__file__).parent / "static" / "swagger-ui"
+
+
+# A route that always streams (documented with response_class=Response, so that its error responses stay JSON).
+EVENTS = {200: {"description": "server-sent events: each event's data is a JSON object",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+# A route that answers JSON, or server-sent events when the request asks to stream: both listed for its 200.
+JSON_OR_EVENTS = {200: {"description": "JSON; server-sent events when the request sets `stream`",
+                        "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def mount_docs(app: FastAPI) -> None:

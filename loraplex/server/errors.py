@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import logging
 
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.engine.engine import RequestRefused
@@ -37,6 +40,48 @@ class BadRequest(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+# ---- the error responses as the OpenAPI document states them ---------------------------------------
+
+
+class NativeErrorBody(BaseModel):
+    error: str
+    error_type: str
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorBody(BaseModel):
+    error: OpenAIErrorDetail
+
+
+_WHY = {
+    400: "a field the server refuses (OpenAI: any invalid request)",
+    404: "unknown adapter or model",
+    413: "request body or image too large",
+    415: "image of a type the server does not read",
+    422: "invalid request (native), or an image that cannot be read or fetched",
+    424: "generation failed",
+    429: "overloaded: too many requests at once",
+    500: "generation failed, or an unexpected error (the message names the request id)",
+    503: "unhealthy: the engine stopped or a forward pass fails",
+}
+# What a generation route may answer besides 200 (the middleware's 401 / 504 need --api-key / --request-timeout-s).
+NATIVE_GENERATE_ERRORS = (404, 413, 415, 422, 424, 429)
+OPENAI_GENERATE_ERRORS = (400, 404, 413, 415, 422, 429, 500)
+
+
+def documented_errors(openai: bool, *codes: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` for a route: each code with the API's error body. Listing 422 also replaces FastAPI's own
+    422 entry (its `{"detail": [...]}` shape, which these routes never answer)."""
+    model = OpenAIErrorBody if openai else NativeErrorBody
+    return {code: {"model": model, "description": _WHY[code]} for code in codes}
 
 
 def is_openai(request: Request) -> bool:
@@ -108,6 +153,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         """Unknown routes and methods (404, 405) in the route's API shape, not FastAPI's `{"detail": ...}`."""
+        if exc.status_code == 400:  # FastAPI could not read the body (not UTF-8): refused as a body that is not JSON
+            request.app.state.loraplex.metrics.on_failure("validation")
+            message = f"body: {exc.detail}"
+            if is_openai(request):
+                return openai_error(400, message, "invalid_request_error", "body")
+            return native_error(422, message, "validation")
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http")
         message = f"{request.method} {request.url.path}: {exc.detail}"
         response = error_for_path(request.url.path, exc.status_code, message, kind)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loraplex import __version__
 from loraplex.engine.engine import RequestOutput
@@ -32,7 +32,8 @@ from loraplex.protocol.native import (
 from loraplex.engine.images import ImageInputs
 from loraplex.multimodal import split_markdown_images
 from loraplex.protocol.errors import Unsupported
-from loraplex.server.errors import BadRequest, native_error
+from loraplex.server.docs import EVENTS, JSON_OR_EVENTS
+from loraplex.server.errors import NATIVE_GENERATE_ERRORS, BadRequest, documented_errors, native_error
 from loraplex.server.grammars import compile_grammars
 from loraplex.server.images import encode_prompt, image_placeholder
 from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences
@@ -40,6 +41,7 @@ from loraplex.server.request_log import note_adapter
 from loraplex.server.state import GenerationFailed, ServerState, adapter_header, get_state, run_to_end
 
 router = APIRouter()
+ERRORS = documented_errors(False, *NATIVE_GENERATE_ERRORS)
 
 
 @dataclass
@@ -221,17 +223,17 @@ def _prune(value, keep: tuple[str, ...] = ()):
     return value
 
 
-@router.post("/generate", response_model=GenerateResponse, response_model_exclude_none=True)
+@router.post("/generate", response_model=GenerateResponse, response_model_exclude_none=True, responses=ERRORS)
 async def generate(body: GenerateRequest, request: Request):
     return await generate_json(get_state(request), body)
 
 
-@router.post("/generate_stream", response_model=StreamResponse)
+@router.post("/generate_stream", response_class=Response, responses={**EVENTS, **ERRORS})
 async def generate_stream(body: GenerateRequest, request: Request):
     return await generate_sse(get_state(request), body)
 
 
-@router.post("/", summary="generate or generate_stream, by the `stream` field")
+@router.post("/", summary="generate or generate_stream, by the `stream` field", responses={**JSON_OR_EVENTS, **ERRORS})
 async def compat_generate(body: CompatGenerateRequest, request: Request):
     state = get_state(request)
     if body.stream:
@@ -242,12 +244,12 @@ async def compat_generate(body: CompatGenerateRequest, request: Request):
     return response
 
 
-@router.post("/invocations", summary="SageMaker's route (TGI's): as POST /")
+@router.post("/invocations", summary="SageMaker's route (TGI's): as POST /", responses={**JSON_OR_EVENTS, **ERRORS})
 async def invocations(body: CompatGenerateRequest, request: Request):
     return await compat_generate(body, request)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=documented_errors(False, 413, 415, 422))
 async def tokenize(body: TokenizeRequest, request: Request):
     state = get_state(request)
     tokenizer = state.tokenizer
@@ -271,7 +273,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
 HEALTH_RECENT_STEP_S = 5.0
 
 
-@router.get("/health")
+@router.get("/health", responses=documented_errors(False, 503))
 async def health(request: Request):
     state = get_state(request)
     if not state.engine.alive:
@@ -287,7 +289,7 @@ async def health(request: Request):
     return JSONResponse({}, status_code=200)
 
 
-@router.get("/ping", summary="SageMaker's health route (TGI's): as GET /health")
+@router.get("/ping", summary="SageMaker's health route (TGI's): as GET /health", responses=documented_errors(False, 503))
 async def ping(request: Request):
     return await health(request)
 

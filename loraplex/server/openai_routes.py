@@ -44,7 +44,8 @@ from loraplex.protocol.openai import (
 from loraplex.protocol.errors import Unsupported
 from loraplex.multimodal import split_chat_images
 from loraplex.server.chat_tools import AnswerStream, ToolAnswers, chat_prompt
-from loraplex.server.errors import BadRequest, ModelNotFound
+from loraplex.server.docs import JSON_OR_EVENTS
+from loraplex.server.errors import OPENAI_GENERATE_ERRORS, BadRequest, ModelNotFound, documented_errors
 from loraplex.server.grammars import compile_grammars
 from loraplex.server.images import encode_prompt
 from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences
@@ -59,6 +60,7 @@ from loraplex.server.state import (
 )
 
 router = APIRouter(prefix="/v1")
+ERRORS = documented_errors(True, *OPENAI_GENERATE_ERRORS)
 T = TypeVar("T")
 
 # ---- models --------------------------------------------------------------------------------------
@@ -110,7 +112,7 @@ async def list_models(request: Request):
     return ModelList(data=[model_card(state, m) for m in served_model_ids(state)]).model_dump()
 
 
-@router.get("/models/{model_id:path}")
+@router.get("/models/{model_id:path}", responses=documented_errors(True, 404))
 async def retrieve_model(model_id: str, request: Request):
     state = get_state(request)
     if model_id not in served_model_ids(state):
@@ -372,7 +374,7 @@ async def stream_events(
 # ---- routes --------------------------------------------------------------------------------------
 
 
-@router.post("/completions")
+@router.post("/completions", responses={**JSON_OR_EVENTS, **ERRORS})
 async def completions(body: CompletionRequest, request: Request):
     state = get_state(request)
     jobs = await prepare_completion(state, body)
@@ -420,7 +422,7 @@ async def completions(body: CompletionRequest, request: Request):
     return JSONResponse(response.model_dump(), headers=adapter_header(served.adapter))
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", responses={**JSON_OR_EVENTS, **ERRORS})
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = get_state(request)
     jobs, answers = await prepare_chat(state, body)

@@ -98,6 +98,34 @@ def test_native_chat_template_messages_are_checked_after_parsing(client):
     refused(post(client, "/generate", body), "/generate", "content")
 
 
+@pytest.mark.parametrize("path", ["/generate", "/generate_stream", "/tokenize", "/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("content", [b"+\xff\x1ch\xc3h\xff\x12", b'{"inputs": "\xff"}'], ids=["bytes", "json-not-utf8"])
+def test_body_that_is_not_utf8_is_a_validation_error(client, path, content):
+    """FastAPI's own 400 for a body it cannot decode was a native 400 `error_type: http` (a code the native API
+    does not use for validation); now as a body that is not JSON: 422 validation (OpenAI: 400)."""
+    answer = client.post(path, content=content, headers={"content-type": "application/json"})
+    if path.startswith("/v1/"):
+        assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error", answer.text
+    else:
+        assert answer.status_code == 422 and answer.json()["error_type"] == "validation", answer.text
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/generate", {"inputs": "hi", "parameters": {"stop": ["ok", ""], "max_new_tokens": 1}}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": "", "max_tokens": 1}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": [""], "max_tokens": 1}, "stop"),
+    ("/v1/completions", {"prompt": [5, -1], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": [[5], []], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 1}, "prompt"),
+])
+def test_what_the_schema_states_is_refused(client, path, body, field):
+    """Empty stop sequences, negative token ids and empty prompt lists are refused by the request models (so the
+    OpenAPI document states them, and the schema fuzz does not generate them as valid)."""
+    refused(post(client, path, body), path, field)
+    schema = client.get("/openapi.json").json()["components"]["schemas"]
+    assert schema["CompletionRequest"]["properties"]["prompt"]["anyOf"][2]["items"]["minimum"] == 0
+
+
 # ---- chat messages on the native route -----------------------------------------------------------
 
 @pytest.mark.parametrize("messages,field", [
