@@ -410,6 +410,14 @@ def adapter_from_tensors(
     return LoraAdapter(adapter_id, modules, config)
 
 
+def _check_base_copy(key: str, module: str, tensor: torch.Tensor, base_weight: BaseWeight | None) -> None:
+    if base_weight is not None:
+        original = base_weight(module)
+        if tensor.shape == original.shape and torch.allclose(tensor.float(), original.float().cpu(), atol=1e-5, rtol=1e-2):
+            return
+    raise AdapterInvalid(f"tensor {key}: a base-layer weight that differs from the base model's is not served")
+
+
 def load_adapter_dir(
     path: pathlib.Path, adapter_id: str, base: BaseShapes, max_rank: int, base_weight: BaseWeight | None = None,
     checkpoint_name: CheckpointName | None = None,
