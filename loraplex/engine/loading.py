@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 import time
@@ -16,7 +15,7 @@ from loraplex.config import EngineConfig, ModelConfig, token_id, token_ids
 from loraplex.models.registry import model_class
 from loraplex.quantization import check_quantize, move_unquantized, quantize_model, weight_bytes
 from loraplex.tokenizer import Tokenizer
-from loraplex.weights import ModelSource, load_into, load_state_dict, resolve_model
+from loraplex.weights import ModelSource, load_into, load_state_dict, read_json, resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -134,7 +133,7 @@ def _processor(source: ModelSource):
 
 def _generation_config(source: ModelSource) -> dict[str, Any]:
     path = source.path / "generation_config.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return read_json(path, source.model_id) if path.exists() else {}
 
 
 def with_generation_config(config: ModelConfig, generation: dict[str, Any]) -> ModelConfig:
@@ -157,6 +156,6 @@ def with_generation_config(config: ModelConfig, generation: dict[str, Any]) -> M
 def _generation_eos_ids(source: ModelSource, config: ModelConfig) -> tuple[int, ...]:
     """EOS ids from the model config and generation_config.json (Llama 3 lists several)."""
     ids = set(config.eos_token_ids)
-    eos = _generation_config(source).get("eos_token_id")
-    ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    ids.update(token_ids("generation_config.json: eos_token_id", _generation_config(source).get("eos_token_id"),
+                         config.vocab_size))
     return tuple(sorted(ids))

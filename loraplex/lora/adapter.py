@@ -25,6 +25,7 @@ import torch
 
 from loraplex.lora.errors import AdapterError, AdapterInvalid, AdapterNotFound
 from loraplex.lora.patterns import MatchBudget, UserPattern
+from loraplex.safetensors_check import SafetensorsHeaderError, read_header
 
 __all__ = ["AdapterError", "AdapterInvalid", "AdapterNotFound", "LoraAdapter", "LoraConfig", "LoraWeights"]
 
@@ -180,6 +181,7 @@ MAX_LORA_WEIGHT = 1e3  # largest |entry| of lora_A / lora_B
 MAX_LORA_SCALE = 1e3  # largest |alpha / r| (or |alpha / sqrt(r)| with rsLoRA)
 
 MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
+MAX_HEADER_BYTES = 16 << 20  # a safetensors header takes ~200 bytes per tensor; thousands of modules fit
 
 _DEFAULT_LAYER_INDEX = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")
 
@@ -320,22 +322,34 @@ def _model_name(module: str, checkpoint_name: CheckpointName | None) -> str:
     return checkpoint_name(f"{module}.weight").removesuffix(".weight")
 
 
-def adapter_from_tensors(
-    adapter_id: str, config: LoraConfig, tensors: Mapping[str, torch.Tensor], base: BaseShapes,
-    base_weight: BaseWeight | None = None, checkpoint_name: CheckpointName | None = None,
-) -> LoraAdapter:
-    """Check PEFT-named tensors against the config and the base model; build the adapter (float32, CPU).
+# A tensor as the layout check sees it, before or after it is read: its shape, dtype name and whether it holds floats.
+TensorSpec = tuple[tuple[int, ...], str, bool]
 
-    `checkpoint_name` (families whose checkpoints come in several layouts, e.g. LLaVA-NeXT saved by
-    transformers 4) maps a base-model tensor name to the model's own: an adapter trained on the other
-    layout then loads too. The config's patterns are matched against the names as PEFT saw them."""
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+
+@dataclass(frozen=True)
+class _Layout:
+    """Which checkpoint tensors make each module's LoRA, and the base-layer copies PEFT saved beside them."""
+
+    modules: dict[str, tuple[str, str, str]]  # model module name -> (name PEFT saw, lora_A key, lora_B key)
+    base_copies: dict[str, str]  # checkpoint key -> model module name
+
+
+def check_layout(
+    config: LoraConfig, specs: Mapping[str, TensorSpec], base: BaseShapes, checkpoint_name: CheckpointName | None = None,
+) -> _Layout:
+    """Check tensor names, shapes and dtypes against the config and the base model: what `adapter_from_tensors`
+    checks short of the values. It runs on the file's header first, so nothing is read that could not fit."""
+    parts: dict[str, dict[str, str]] = {}
+    copies: dict[str, str] = {}
+    for key, (shape, _, _) in specs.items():
         name = key.removeprefix(_PREFIX)
         if (copy := _BASE_COPY_KEY.match(name)) is not None:
             # PEFT saves the output head's base weights with an adapter that targets it; an unchanged
-            # copy is harmless, a changed one (resized vocabulary, trained head) is not served.
-            _check_base_copy(key, _model_name(copy["module"], checkpoint_name), tensor, base_weight)
+            # copy is harmless (compared with the base model's once read), a changed one is not served.
+            module = _model_name(copy["module"], checkpoint_name)
+            if module not in base or tuple(shape) != tuple(base[module][::-1]):
+                raise AdapterInvalid(f"tensor {key}: a base-layer weight that differs from the base model's is not served")
+            copies[key] = module
             continue
         if "lora_magnitude_vector" in name:
             raise AdapterInvalid(f"tensor {key}: DoRA (lora_magnitude_vector) is not served")
@@ -344,11 +358,11 @@ def adapter_from_tensors(
         match = _TENSOR_KEY.match(name)
         if match is None:
             raise AdapterInvalid(f"tensor {key}: not a LoRA A/B weight (only lora_A/lora_B weights are served)")
-        parts.setdefault(match["module"], {})[match["part"]] = tensor
+        parts.setdefault(match["module"], {})[match["part"]] = key
     if not parts:
         raise AdapterInvalid("the adapter has no LoRA tensors")
 
-    modules: dict[str, LoraWeights] = {}
+    modules: dict[str, tuple[str, str, str]] = {}
     for saved, ab in sorted(parts.items()):
         module = _model_name(saved, checkpoint_name)
         if set(ab) != {"A", "B"}:
@@ -360,18 +374,37 @@ def adapter_from_tensors(
             )
         if not config.targets(saved):
             raise AdapterInvalid(f"tensor {_PREFIX}{saved}.lora_A.weight: module not in the config's target_modules")
-        a, b = ab["A"], ab["B"]
         in_features, out_features = base[module]
         rank = config.rank(saved)
-        for part, tensor, want in (("A", a, (rank, in_features)), ("B", b, (out_features, rank))):
-            if tuple(tensor.shape) != want:
+        for part, want in (("A", (rank, in_features)), ("B", (out_features, rank))):
+            shape, dtype, floating = specs[ab[part]]
+            if tuple(shape) != want:
                 raise AdapterInvalid(
-                    f"tensor {_PREFIX}{module}.lora_{part}.weight has shape {list(tensor.shape)}; "
+                    f"tensor {_PREFIX}{module}.lora_{part}.weight has shape {list(shape)}; "
                     f"expected {list(want)} (rank {rank} from adapter_config.json, base linear {in_features}->{out_features})"
                 )
-            if not tensor.is_floating_point():
-                raise AdapterInvalid(f"tensor {_PREFIX}{module}.lora_{part}.weight has dtype {tensor.dtype}; expected floats")
-        weights = LoraWeights(a.float().contiguous(), b.float().contiguous(), config.scale(saved))
+            if not floating:
+                raise AdapterInvalid(f"tensor {_PREFIX}{module}.lora_{part}.weight has dtype {dtype}; expected floats")
+        modules[module] = (saved, ab["A"], ab["B"])
+    return _Layout(modules, copies)
+
+
+def adapter_from_tensors(
+    adapter_id: str, config: LoraConfig, tensors: Mapping[str, torch.Tensor], base: BaseShapes,
+    base_weight: BaseWeight | None = None, checkpoint_name: CheckpointName | None = None,
+) -> LoraAdapter:
+    """Check PEFT-named tensors against the config and the base model; build the adapter (float32, CPU).
+
+    `checkpoint_name` (families whose checkpoints come in several layouts, e.g. LLaVA-NeXT saved by
+    transformers 4) maps a base-model tensor name to the model's own: an adapter trained on the other
+    layout then loads too. The config's patterns are matched against the names as PEFT saw them."""
+    specs = {key: (tuple(t.shape), str(t.dtype).removeprefix("torch."), t.is_floating_point()) for key, t in tensors.items()}
+    layout = check_layout(config, specs, base, checkpoint_name)
+    for key, module in layout.base_copies.items():
+        _check_base_copy(key, module, tensors[key], base_weight)
+    modules: dict[str, LoraWeights] = {}
+    for module, (saved, a, b) in layout.modules.items():
+        weights = LoraWeights(tensors[a].float().contiguous(), tensors[b].float().contiguous(), config.scale(saved))
         check_weights(_PREFIX + module, weights)
         modules[module] = weights
     return LoraAdapter(adapter_id, modules, config)
@@ -420,9 +453,15 @@ def load_adapter_dir(
     try:
         config = LoraConfig.from_dict(raw, max_rank)
         try:
+            # The header first: a lying one, or tensors the base model has no place for, are refused
+            # before anything is allocated from what the file says.
+            header = read_header(weights_path, MAX_HEADER_BYTES)
+            check_layout(config, {k: (t.shape, t.dtype, t.floating) for k, t in header.items()}, base, checkpoint_name)
             tensors = load_file(str(weights_path))
         except OSError as exc:  # its strerror only: the exception's text holds the path
             raise AdapterInvalid(f"{ADAPTER_WEIGHTS} cannot be read ({exc.strerror})") from exc
+        except SafetensorsHeaderError as exc:  # names no path
+            raise AdapterInvalid(f"{ADAPTER_WEIGHTS} is not a valid safetensors file ({exc})") from exc
         except (SafetensorError, ValueError) as exc:
             reason = str(exc).replace(str(weights_path), ADAPTER_WEIGHTS)  # should safetensors ever name it
             raise AdapterInvalid(f"{ADAPTER_WEIGHTS} is not a valid safetensors file ({reason})") from exc
