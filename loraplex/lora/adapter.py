@@ -274,11 +274,19 @@ class LoraWeights:
 
 @dataclass
 class LoraAdapter:
-    """A loaded adapter: weights per base-model module name (only the modules it targets)."""
+    """A loaded adapter: weights per base-model module name (only the modules it targets).
+
+    `adapter_id` is its name for clients, logs and metrics; `key` is what the engine keys its adapters and
+    device slots by: the id, unless the store holds several entries under one id (a private hub adapter
+    once per token scope and revision), each with a key of its own so that they never share a slot."""
 
     adapter_id: str
     modules: dict[str, LoraWeights]
     config: LoraConfig
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.adapter_id
 
     @property
     def max_rank(self) -> int:
@@ -289,7 +297,8 @@ class LoraAdapter:
         return sum(w.a.nbytes + w.b.nbytes for w in self.modules.values())
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "LoraAdapter":
-        return LoraAdapter(self.adapter_id, {m: w.to(device, dtype) for m, w in self.modules.items()}, self.config)
+        modules = {m: w.to(device, dtype) for m, w in self.modules.items()}
+        return LoraAdapter(self.adapter_id, modules, self.config, self.key)
 
     @functools.cached_property
     def fingerprint(self) -> bytes:
