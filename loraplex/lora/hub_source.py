@@ -27,13 +27,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import pathlib
 import secrets
 from dataclasses import dataclass
 from typing import Protocol
 
 from loraplex.lora.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterNotFound
+from loraplex.weights import hub_offline
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +61,6 @@ class HubSource(Protocol):
         """The snapshot of `repo_id` at `revision` (None: the default branch) that `token` may read.
         Raises AdapterNotFound, naming the adapter by `repo_id`, when there is none or the token may not."""
         ...
-
-
-def hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
 class HuggingFaceHub:

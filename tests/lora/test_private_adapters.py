@@ -203,6 +203,7 @@ def test_online_the_hub_is_asked_with_the_requests_token(monkeypatch, tmp_path):
     import huggingface_hub
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     asked, downloads = [], []
 
     class Info:
