@@ -277,16 +277,17 @@ class LoraAdapter:
     """A loaded adapter: weights per base-model module name (only the modules it targets).
 
     `adapter_id` is its name for clients, logs and metrics; `key` is what the engine keys its adapters and
-    device slots by: the id, unless the store holds several entries under one id (a private hub adapter
-    once per token scope and revision), each with a key of its own so that they never share a slot."""
+    device slots by: the id, unless the store holds several entries under one id (a hub adapter once per
+    token scope and revision) and gives each its own `entry_key`, so that they never share a slot."""
 
     adapter_id: str
     modules: dict[str, LoraWeights]
     config: LoraConfig
-    key: str = ""
+    entry_key: str | None = None
 
-    def __post_init__(self) -> None:
-        self.key = self.key or self.adapter_id
+    @property
+    def key(self) -> str:
+        return self.entry_key or self.adapter_id
 
     @property
     def max_rank(self) -> int:
@@ -298,7 +299,7 @@ class LoraAdapter:
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "LoraAdapter":
         modules = {m: w.to(device, dtype) for m, w in self.modules.items()}
-        return LoraAdapter(self.adapter_id, modules, self.config, self.key)
+        return LoraAdapter(self.adapter_id, modules, self.config, self.entry_key)
 
     @functools.cached_property
     def fingerprint(self) -> bytes:

@@ -217,7 +217,7 @@ class AdapterStore:
         scope = token_scope(api_token)
         snapshot = self._granted(canonical, api_token, scope)
         key = f"{name}@{snapshot.revision}" + ("" if scope == PUBLIC else f"#{scope}")
-        read = lambda k: replace(self._load_dir(snapshot.path, name), key=k)  # noqa: E731
+        read = lambda k: replace(self._load_dir(snapshot.path, name), entry_key=k)  # noqa: E731
         listed = listed if scope == PUBLIC else None  # what one token reads is not shown to other clients
         return (name, canonical), self._future(key, read, listed, family=f"{name}#{scope}")
 
