@@ -251,6 +251,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         adapter_roots=tuple(args.adapter_root or ()),
         preloaded_adapter_ids=tuple(args.preloaded_adapter_ids or ()),
         max_cpu_adapters=args.max_cpu_adapters,
+        adapter_access_ttl_s=args.adapter_access_ttl_s,
         media=_media_config(args),
         max_waiting_tokens=args.max_waiting_tokens,
         waiting_served_ratio=args.waiting_served_ratio,
@@ -322,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="adapters (of --adapter-source) loaded at start and listed by /v1/models")
     serve.add_argument("--max-cpu-adapters", type=int, default=_env("MAX_CPU_ADAPTERS", 64, int),
                        help="loaded adapters kept in host memory besides the preloaded ones (LRU)")
+    serve.add_argument("--adapter-access-ttl-s", type=float, default=_env("ADAPTER_ACCESS_TTL_S", 30.0, float),
+                       help="how long the hub's answer on whether a request's api_token may read a hub adapter "
+                            "is reused for requests with the same token (0: every request asks the hub)")
     # LoRAX's batching knobs: accepted and reported by /info; loraplex admits waiting requests at every step.
     serve.add_argument("--max-waiting-tokens", type=int, default=_env("MAX_WAITING_TOKENS", 20, int),
                        help="LoRAX's; reported by /info, no effect (waiting requests join at every step)")

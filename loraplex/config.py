@@ -695,5 +695,8 @@ class ServerConfig:
     adapter_roots: tuple[str, ...] = ()
     preloaded_adapter_ids: tuple[str, ...] = ()
     max_cpu_adapters: int = 64
+    # How long the hub's answer on whether a request's api_token may read a hub adapter is reused for
+    # requests with the same token (and repo); 0: every request asks the hub (lora/hub_source.py).
+    adapter_access_ttl_s: float = 30.0
     # Images: where they may come from and how large they may be (vLLM's names; see multimodal/config.py).
     media: MediaConfig = field(default_factory=MediaConfig)

@@ -134,8 +134,13 @@ def read_json(file: pathlib.Path, name: str) -> dict[str, Any]:
     return value
 
 
-def _is_true(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE is set (read now, or by huggingface_hub when it was imported)."""
+    import huggingface_hub
+
+    return (os.environ.get("HF_HUB_OFFLINE") or "").strip().lower() in ("1", "true", "yes", "on") or bool(
+        huggingface_hub.constants.HF_HUB_OFFLINE
+    )
 
 
 def _from_hf_cache(repo_id: str, progress: Callable[[str], None], revision: str | None = None) -> pathlib.Path:
@@ -148,7 +153,7 @@ def _from_hf_cache(repo_id: str, progress: Callable[[str], None], revision: str 
         raise WeightsError(f"{repo_id!r} is not an existing file or directory, nor a valid repo id ({e})") from e
     except Exception as e:  # LocalEntryNotFoundError and friends: not cached
         cached_error = e
-    if _is_true(os.environ.get("HF_HUB_OFFLINE")) or huggingface_hub.constants.HF_HUB_OFFLINE:
+    if hub_offline():
         raise WeightsError(
             f"model {repo_id!r} is not in the local Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE}) "
             f"and HF_HUB_OFFLINE is set ({type(cached_error).__name__})"

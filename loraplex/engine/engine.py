@@ -214,7 +214,7 @@ class Engine:
             request.grammar = self._grammar_matcher(params.grammar)
         if adapter is not None:
             self._use_adapter(adapter)
-            request.adapter_id = adapter.adapter_id
+            request.adapter_id = adapter.key  # the engine's name for it; `adapter.adapter_id` is the client's
         if self.config.prefix_caching:
             request.cache_key = root_key(adapter.fingerprint if adapter else None, params.cache_salt, encoder_ids)
             request.image_digest = image_digest
@@ -321,8 +321,8 @@ class Engine:
         unknown = set(adapter.modules) - set(self.lora.layers)
         if unknown:
             raise RequestRefused(f"adapter {adapter.adapter_id!r} targets modules this model lacks: {sorted(unknown)[:3]}")
-        _, users = self._adapters.get(adapter.adapter_id, (adapter, 0))
-        self._adapters[adapter.adapter_id] = (adapter, users + 1)
+        _, users = self._adapters.get(adapter.key, (adapter, 0))
+        self._adapters[adapter.key] = (adapter, users + 1)
 
     def _drop_adapter(self, adapter_id: str | None) -> None:
         if adapter_id is None:
@@ -337,9 +337,12 @@ class Engine:
     def adapter_ids(self) -> dict[str, list[str]]:
         """Distinct adapters of running and of waiting requests (for metrics)."""
         # Copies first: metrics read this from another thread while the engine thread runs.
-        running = {r.adapter_id for r in list(self.scheduler.running) if r.adapter_id is not None}
-        waiting = {r.adapter_id for r in list(self.scheduler.waiting) if r.adapter_id is not None}
-        return {"running": sorted(running), "waiting": sorted(waiting)}
+        adapters = dict(self._adapters)
+
+        def names(requests: list[Request]) -> list[str]:  # by the adapters' ids, not their keys
+            return sorted({adapters[r.adapter_id][0].adapter_id for r in requests if r.adapter_id in adapters})
+
+        return {"running": names(list(self.scheduler.running)), "waiting": names(list(self.scheduler.waiting))}
 
     @property
     def has_unfinished(self) -> bool:
@@ -370,13 +373,13 @@ class Engine:
         for i, item in enumerate(scheduled):
             by_adapter.setdefault(item.request.adapter_id, []).append(i)
         results: list[StepResult] = [StepResult()] * len(scheduled)
-        for adapter_id, indices in by_adapter.items():
+        for key, indices in by_adapter.items():
             try:
                 if len(by_adapter) == 1:
                     raise error  # nothing to separate: the whole step was this adapter's
                 group = self.runner.execute([scheduled[i] for i in indices])
             except Exception as group_error:  # noqa: BLE001
-                where = "the base model" if adapter_id is None else f"adapter {adapter_id!r}"
+                where = "the base model" if key is None else f"adapter {self._adapters[key][0].adapter_id!r}"
                 log.error("step failed for %s: %r", where, group_error)
                 group = [StepResult(error=f"{where} failed: {group_error}") for _ in indices]
             for i, result in zip(indices, group):

@@ -276,11 +276,20 @@ class LoraWeights:
 
 @dataclass
 class LoraAdapter:
-    """A loaded adapter: weights per base-model module name (only the modules it targets)."""
+    """A loaded adapter: weights per base-model module name (only the modules it targets).
+
+    `adapter_id` is its name for clients, logs and metrics; `key` is what the engine keys its adapters and
+    device slots by: the id, unless the store holds several entries under one id (a hub adapter once per
+    token scope and revision) and gives each its own `entry_key`, so that they never share a slot."""
 
     adapter_id: str
     modules: dict[str, LoraWeights]
     config: LoraConfig
+    entry_key: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.entry_key or self.adapter_id
 
     @property
     def max_rank(self) -> int:
@@ -291,7 +300,8 @@ class LoraAdapter:
         return sum(w.a.nbytes + w.b.nbytes for w in self.modules.values())
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "LoraAdapter":
-        return LoraAdapter(self.adapter_id, {m: w.to(device, dtype) for m, w in self.modules.items()}, self.config)
+        modules = {m: w.to(device, dtype) for m, w in self.modules.items()}
+        return LoraAdapter(self.adapter_id, modules, self.config, self.entry_key)
 
     @functools.cached_property
     def fingerprint(self) -> bytes:

@@ -150,7 +150,7 @@ class LoraSlots:
             weights = adapter.modules.get(name)
             table[slot] = None if weights is None else weights.to(self.device, self.dtype).for_kernels()
         self.pointers.set_slot(slot, {name: table[slot] for name, table in self.tables.items()})
-        self.occupant[slot] = adapter.adapter_id
+        self.occupant[slot] = adapter.key
         self._stack = None
 
     def stack(self, slots: tuple[int, ...]) -> "Stack":

@@ -8,15 +8,23 @@ only the requests that asked for that adapter. A refusal (AdapterInvalid) is rem
 `refusal_ttl_s`, so a stream of requests for a bad adapter does not redo the work; after that (or for
 "not found") the next request tries again, so fixed files are picked up.
 
-Sources, and the canonical id each gives an adapter (one adapter = one id = one cache entry, one
-`/v1/models` entry, one metric label; `key` computes it before the cache is looked at):
+Sources, and the canonical id each gives an adapter (one adapter = one id = one `/v1/models` entry, one
+metric label, and one cache entry but for hub adapters, below; `key` computes it before the cache is
+looked at). A request's `api_token` is for hub adapters only: local and s3 ones are the server's to serve.
 - `local`: the id is a directory (absolute, or relative to an adapter root) that must resolve, after
   symlinks, inside one of the `roots`. No roots: local loading is off. Canonical id: the resolved
   directory's path relative to the first root holding it (`name-nova`, never `name-nova/./` or an
   absolute path). A directory that this relative id would not reach (an earlier root holds one of the
   same name) is refused rather than named by its server path.
-- `hub`: a Hugging Face repo id, read from the local HF cache; downloaded only when online and
-  `HF_HUB_OFFLINE` is not set. Canonical id: the repo id exactly as given; malformed ones are refused.
+- `hub`: a Hugging Face repo id. Canonical id: the repo id exactly as given; malformed ones are refused.
+  Every request asks the hub (`HubSource`, lora/hub_source.py) with its own `api_token` whether it may
+  read the repo and at which commit (an answer is reused for `access_ttl_s`, for the same repo and token
+  scope only); offline (`HF_HUB_OFFLINE`) the local HF cache is served to every client, tokens unchecked.
+  Cache entries are keyed `id@commit`, plus `#scope` for a token ("public": none; otherwise a keyed hash
+  of the token, never the token): a request without the token that loaded a private adapter, or with
+  another, gets "not found" from the hub, never the cached entry. An adapter's `key` (what the engine
+  keys slots by) is its entry's; its `adapter_id`, what clients, logs and metrics see, stays the id.
+  Only public entries are listed; a newer commit's entry replaces the older one of the same scope.
 - `s3`: a directory in an S3 bucket, as LoRAX names it (lora/s3_source.py). Canonical id:
   `s3://bucket/path`, however the bucket was named.
 
@@ -27,6 +35,7 @@ another client used for the same adapter: loads and refusals are shared).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import os
@@ -52,12 +61,16 @@ from loraplex.lora.adapter import (
     LoraAdapter,
     load_adapter_dir,
 )
+from loraplex.lora.hub_source import PUBLIC, HubSource, HuggingFaceHub, Snapshot, token_scope
 from loraplex.lora.merge import MAJORITY_SIGN_METHODS, MERGE_STRATEGIES, merge_adapters
 from loraplex.lora.s3_source import S3_PREFIX, bucket_and_prefix, s3_adapter_dir
 
 SOURCES = ("local", "hub", "s3")
 # How long a refused adapter (AdapterInvalid) is answered from memory before its files are read again.
 REFUSAL_TTL_S = 10.0
+# How long the hub's answer to "may this token scope read this repo, and at which commit" is reused for
+# requests of the same repo and scope (0: every request asks). Revoked access and new commits show after it.
+ACCESS_TTL_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,8 @@ class AdapterStore:
         refusal_ttl_s: float = REFUSAL_TTL_S,
         clock: Callable[[], float] = time.monotonic,
         checkpoint_name: CheckpointName | None = None,
+        hub: HubSource | None = None,
+        access_ttl_s: float = ACCESS_TTL_S,
     ) -> None:
         if default_source not in SOURCES:
             raise ValueError(f"unknown adapter source {default_source!r}; choose one of {', '.join(SOURCES)}")
@@ -102,7 +117,11 @@ class AdapterStore:
         self._cache: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
         self._loading: dict[str, Future] = {}
         self._names: dict[str, str] = {}  # key -> the id a client uses (for listings)
-        self._pinned: set[str] = set()  # preloaded: never dropped from the cache
+        self._pinned: set[str] = set()  # names of preloaded adapters: never dropped from the cache
+        self._families: dict[str, str] = {}  # hub key -> its repo and scope (a newer revision replaces it)
+        self.hub = hub or HuggingFaceHub()
+        self.access_ttl_s = access_ttl_s
+        self._grants: dict[tuple[str, str], tuple[float, Snapshot]] = {}  # (repo, scope) -> (until, snapshot)
         self._refused: dict[str, tuple[float, AdapterInvalid]] = {}  # key -> (until, the refusal)
         self.refusal_ttl_s, self._clock = refusal_ttl_s, clock
         self._lock = threading.Lock()
@@ -117,8 +136,9 @@ class AdapterStore:
         return source
 
     def key(self, adapter_id: str, source: str | None = None) -> str:
-        """The name an adapter has inside the engine: its canonical id, qualified when not from the default
-        source. Raises AdapterNotFound / AdapterInvalid for ids that name no adapter of that source."""
+        """The name clients, logs and metrics know an adapter by: its canonical id, qualified when not from the
+        default source (hub entries are keyed by revision and token scope too, see `_adapter_future`).
+        Raises AdapterNotFound / AdapterInvalid for ids that name no adapter of that source."""
         return self._adapter_names(adapter_id, source)[0]
 
     def _adapter_names(self, adapter_id: str, source: str | None) -> tuple[str, str]:
@@ -152,40 +172,74 @@ class AdapterStore:
                 self._pinned.add(self.key(adapter_id))
             self.load(adapter_id)
 
-    def load(self, adapter_id: str, source: str | None = None) -> LoraAdapter:
-        """The adapter, from the cache or loaded now (blocking). Raises AdapterNotFound / AdapterInvalid."""
-        names, future = self._adapter_future(adapter_id, source)
+    def load(self, adapter_id: str, source: str | None = None, api_token: str | None = None) -> LoraAdapter:
+        """The adapter, from the cache or loaded now (blocking). Raises AdapterNotFound / AdapterInvalid.
+        `api_token`: the request's Hugging Face token, for hub adapters (see lora/hub_source.py)."""
+        names, future = self._adapter_future(adapter_id, source, api_token)
         try:
             return future.result()
         except AdapterError as exc:
             raise _as_named(exc, names, adapter_id) from exc
 
-    async def get(self, adapter_id: str, source: str | None = None) -> LoraAdapter:
+    async def get(self, adapter_id: str, source: str | None = None, api_token: str | None = None) -> LoraAdapter:
         """As `load`, without blocking the event loop."""
-        names, future = self._adapter_future(adapter_id, source)
+        start = functools.partial(self._adapter_future, adapter_id, source, api_token)
+        names, future = await asyncio.to_thread(start) if self.source_of(source) == "hub" else start()  # asks the hub
         try:
             return await asyncio.wrap_future(future)
         except AdapterError as exc:
             raise _as_named(exc, names, adapter_id) from exc
 
-    async def get_merged(self, spec: MergeSpec, source: str | None = None) -> LoraAdapter:
+    async def get_merged(
+        self, spec: MergeSpec, source: str | None = None, api_token: str | None = None
+    ) -> LoraAdapter:
         """The weighted merge of `spec.ids` (each loaded as by `get`), cached like any adapter."""
         _check_spec(spec)
-        parts = [await self.get(adapter_id, source) for adapter_id in spec.ids]
-        spec = replace(spec, ids=tuple(part.adapter_id for part in parts))  # keyed by canonical ids
+        parts = [await self.get(adapter_id, source, api_token) for adapter_id in spec.ids]
+        # Keyed by the parts' keys: canonical ids, and for hub parts their revisions and token scopes.
+        spec = replace(spec, ids=tuple(part.key for part in parts))
         key = spec.key(self.source_of(source))
-        return await asyncio.wrap_future(self._future(key, lambda k: _merge(k, parts, spec), listed=False))
+        return await asyncio.wrap_future(self._future(key, lambda k: _merge(k, parts, spec)))
 
-    def _adapter_future(self, adapter_id: str, source: str | None) -> tuple[tuple[str, str], Future]:
-        """((key, canonical id): the names its errors may give the adapter, the future)."""
-        (key, canonical), source = self._adapter_names(adapter_id, source), self.source_of(source)
-        return (key, canonical), self._future(key, lambda k: self._read(k, canonical, source), self._listed(source))
+    def _adapter_future(
+        self, adapter_id: str, source: str | None, api_token: str | None
+    ) -> tuple[tuple[str, str], Future]:
+        """((name, canonical id): the names its errors may give the adapter, the future).
 
-    def _listed(self, source: str | None) -> bool:
-        """Listed adapters are those a client can name by their key alone (the default source's)."""
-        return self.source_of(source) == self.default_source
+        A hub adapter is asked of the hub first, with the request's token (`_granted`), and keyed by the
+        commit the hub answered and the token's scope, so an updated repo is read again and an entry a token
+        loaded is never handed to a request without that token. Listed (in /v1/models) are the default
+        source's adapters, public scope only."""
+        (name, canonical), source = self._adapter_names(adapter_id, source), self.source_of(source)
+        listed = name if source == self.default_source else None
+        if source != "hub":
+            return (name, canonical), self._future(name, lambda k: self._read(k, canonical, source), listed)
+        scope = token_scope(api_token)
+        snapshot = self._granted(canonical, api_token, scope)
+        key = f"{name}@{snapshot.revision}" + ("" if scope == PUBLIC else f"#{scope}")
+        read = lambda k: replace(self._load_dir(snapshot.path, name), entry_key=k)  # noqa: E731
+        listed = listed if scope == PUBLIC else None  # what one token reads is not shown to other clients
+        return (name, canonical), self._future(key, read, listed, family=f"{name}#{scope}")
 
-    def _future(self, key: str, read: Callable[[str], LoraAdapter], listed: bool) -> Future:
+    def _granted(self, repo_id: str, api_token: str | None, scope: str) -> Snapshot:
+        """The hub's answer for this repo and token, or the same scope's answer of the last `access_ttl_s`."""
+        with self._lock:
+            grant = self._grants.get((repo_id, scope))
+            if grant is not None and self._clock() < grant[0]:
+                return grant[1]
+        snapshot = self.hub.resolve(repo_id, None, api_token)  # raises AdapterNotFound: nothing is remembered
+        with self._lock:
+            now = self._clock()
+            self._grants = {k: g for k, g in self._grants.items() if now < g[0]}  # expired grants go
+            if self.access_ttl_s > 0:
+                self._grants[(repo_id, scope)] = (now + self.access_ttl_s, snapshot)
+        return snapshot
+
+    def _future(
+        self, key: str, read: Callable[[str], LoraAdapter], name: str | None = None, family: str | None = None
+    ) -> Future:
+        """The cached adapter `key`, or its load. `name`: its listed name (None: unlisted); `family`: a hub
+        adapter's repo and scope (its older revisions are dropped when it is cached)."""
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -200,11 +254,13 @@ class AdapterStore:
                 failed.set_exception(refused[1])
                 return failed
             self._refused.pop(key, None)
-            future = self._pool.submit(self._load_and_cache, key, read, listed)
+            future = self._pool.submit(self._load_and_cache, key, read, name, family)
             self._loading[key] = future
             return future
 
-    def _load_and_cache(self, key: str, read: Callable[[str], LoraAdapter], listed: bool) -> LoraAdapter:
+    def _load_and_cache(
+        self, key: str, read: Callable[[str], LoraAdapter], name: str | None, family: str | None
+    ) -> LoraAdapter:
         try:
             adapter = read(key)
             adapter.fingerprint  # hashed here, on the loading thread, not on the engine's
@@ -216,23 +272,33 @@ class AdapterStore:
             raise
         with self._lock:  # one step from "loading" to "cached": a get in between would read it again
             self._loading.pop(key, None)
-            self._cache[key] = adapter
-            if listed:
-                self._names[key] = key
             # Requests in flight keep their own reference: dropping an adapter here never breaks them.
-            unpinned = [k for k in self._cache if k not in self._pinned]
+            for older in [k for k, f in self._families.items() if f == family and k != key]:
+                self._drop(older)
+            self._cache[key] = adapter
+            if name is not None:
+                self._names[key] = name
+            if family is not None:
+                self._families[key] = family
+            unpinned = [k for k in self._cache if self._names.get(k) not in self._pinned]
             for evicted in unpinned[: max(0, len(unpinned) - self.max_cpu_adapters)]:
-                del self._cache[evicted]
-                self._names.pop(evicted, None)
+                self._drop(evicted)
         return adapter
 
-    def _read(self, key: str, adapter_id: str, source: str | None) -> LoraAdapter:
-        source = self.source_of(source)
+    def _drop(self, key: str) -> None:
+        self._cache.pop(key, None)
+        self._names.pop(key, None)
+        self._families.pop(key, None)
+
+    def _read(self, name: str, adapter_id: str, source: str) -> LoraAdapter:
+        """A local or s3 adapter (hub adapters are read from the snapshot `_granted` gave)."""
         if source == "s3":  # downloaded to a temporary directory for the read
             with s3_adapter_dir(adapter_id) as path:
-                return load_adapter_dir(path, key, self.base_shapes, self.max_rank, self.base_weight, self.checkpoint_name)
-        path = self._local_dir(adapter_id) if source == "local" else _hub_dir(adapter_id)
-        return load_adapter_dir(path, key, self.base_shapes, self.max_rank, self.base_weight, self.checkpoint_name)
+                return self._load_dir(path, name)
+        return self._load_dir(self._local_dir(adapter_id), name)
+
+    def _load_dir(self, path: pathlib.Path, name: str) -> LoraAdapter:
+        return load_adapter_dir(path, name, self.base_shapes, self.max_rank, self.base_weight, self.checkpoint_name)
 
     # ---- sources -----------------------------------------------------------------------------------
 
@@ -293,19 +359,6 @@ def _as_named(exc: AdapterError, names: tuple[str, ...], adapter_id: str) -> Ada
         if message.startswith(prefix):
             return type(exc)(named + message[len(prefix):])
     return type(exc)(message)  # a fresh exception: the shared one is raised in several requests
-
-
-def _hub_dir(repo_id: str) -> pathlib.Path:
-    """A hub adapter's snapshot directory (the HF cache; downloads only when online)."""
-    from huggingface_hub import snapshot_download
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-    try:
-        path = snapshot_download(repo_id, allow_patterns=[ADAPTER_CONFIG, ADAPTER_WEIGHTS], local_files_only=offline)
-    except Exception as exc:  # noqa: BLE001 — not cached / no network / no such repo: all "not found"
-        where = "in the local Hugging Face cache" if offline else "on the Hugging Face Hub or in its cache"
-        raise AdapterNotFound(f"adapter {repo_id!r} not found {where}") from exc
-    return pathlib.Path(path)
 
 
 def _check_spec(spec: MergeSpec) -> None:

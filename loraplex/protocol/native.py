@@ -39,6 +39,7 @@ class GenerateParameters(RequestModel):
     adapter_id: str | None = None
     adapter_source: str | None = None
     merged_adapters: MergedAdapters | None = None
+    # A Hugging Face token for a private hub adapter: checked with the hub on every request, never logged.
     api_token: str | None = None
     best_of: int | None = Field(default=None, ge=1)
     max_new_tokens: int | None = Field(default=None, ge=1)

@@ -86,6 +86,7 @@ class SamplingFields(RequestModel):
     # LoRAX's extras: the adapter (instead of, or the same as, `model`) and where it comes from.
     adapter_id: str | None = None
     adapter_source: str | None = None
+    # A Hugging Face token for a private hub adapter: checked with the hub on every request, never logged.
     api_token: str | None = None
     # Structured output: OpenAI's response_format, and vLLM's fields (at most one constraint in all).
     response_format: dict[str, Any] | None = None

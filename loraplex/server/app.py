@@ -58,7 +58,7 @@ def adapter_store(engine: Engine, config: ServerConfig) -> AdapterStore:
     store = AdapterStore(
         engine.lora.base_shapes, engine.config.max_lora_rank, config.adapter_roots, config.adapter_source,
         config.max_cpu_adapters, base_weight=lambda m: layers[m].weight,
-        checkpoint_name=getattr(engine.runner.model, "checkpoint_name", None),
+        checkpoint_name=getattr(engine.runner.model, "checkpoint_name", None), access_ttl_s=config.adapter_access_ttl_s,
     )
     store.preload(config.preloaded_adapter_ids)
     return store

@@ -96,7 +96,7 @@ async def resolve_model(state: ServerState, body: SamplingFields) -> Served:
     if not requested:
         return Served(state.model_id)
     note_adapter(requested)  # for its log line and metrics
-    return Served(requested, await state.adapter(requested, body.adapter_source))
+    return Served(requested, await state.adapter(requested, body.adapter_source, api_token=body.api_token))
 
 
 def model_card(state: ServerState, model_id: str) -> ModelCard:

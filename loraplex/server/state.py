@@ -75,21 +75,23 @@ class ServerState:
                                     self.config.max_queued_tokens)
 
     async def adapter(
-        self, adapter_id: str | None, source: str | None = None, merged: MergeSpec | None = None
+        self, adapter_id: str | None, source: str | None = None, merged: MergeSpec | None = None,
+        api_token: str | None = None,
     ) -> LoraAdapter | None:
-        """The adapter a request names (None: the base model), loaded off the engine loop.
+        """The adapter a request names (None: the base model), loaded off the engine loop. `api_token`: the
+        request's Hugging Face token, checked for hub adapters on every request (never logged).
 
         Raises AdapterNotFound or AdapterInvalid; only this request waits for the load.
         """
         # Loaded, its log and metric label becomes its canonical id (one per adapter, not one per alias).
         canonical = self.adapters.canonical_id
         if merged is not None:
-            adapter = await self.adapters.get_merged(merged, source)
+            adapter = await self.adapters.get_merged(merged, source, api_token)
             note_adapter(None, [canonical(i, self.adapters.source_of(source)) for i in merged.ids])
             return adapter
         if not adapter_id:
             return None
-        adapter = await self.adapters.get(adapter_id, source)
+        adapter = await self.adapters.get(adapter_id, source, api_token)
         note_adapter(canonical(adapter_id, self.adapters.source_of(source)))
         return adapter
 

@@ -107,8 +107,11 @@ def test_merges_of_aliases_share_one_entry_and_are_never_listed(store, root, loa
 
 @pytest.mark.parametrize("repo_id", ["org/a/../b", "org//a", "/abs/path", "org/a/", "中\n"])
 def test_malformed_hub_ids_are_refused_before_any_lookup(repo_id, monkeypatch):
-    monkeypatch.setattr(store_module, "_hub_dir", lambda *a: pytest.fail("looked up"))
-    store = AdapterStore(BASE, MAX_RANK, default_source="hub")
+    class NoHub:
+        def resolve(self, *args):
+            pytest.fail("looked up")
+
+    store = AdapterStore(BASE, MAX_RANK, default_source="hub", hub=NoHub())
     try:
         with pytest.raises(AdapterNotFound, match="not a valid Hugging Face repo id"):
             store.load(repo_id)
