@@ -186,7 +186,7 @@ def load_state_dict(
 
     `show_progress` draws a progress bar over the tensors on stderr (the server's start-up).
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from tqdm import tqdm
 
     path = source.path if isinstance(source, ModelSource) else pathlib.Path(source)
@@ -195,8 +195,11 @@ def load_state_dict(
     files = safetensors_files(path)
     total = 0
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            total += len(f.keys())
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                total += len(f.keys())
+        except (OSError, SafetensorError) as exc:  # truncated or not safetensors at all: the user's file
+            raise WeightsError(f"cannot read {file}: {exc}") from exc
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not show_progress, file=sys.stderr)
     for file in files:
         with safe_open(str(file), framework="pt", device=str(device)) as f:
