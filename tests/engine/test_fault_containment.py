@@ -9,6 +9,7 @@ import pathlib
 import llguidance.torch
 import pytest
 
+from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
 from loraplex.lora.layers import LoraSlots
 from loraplex.lora.store import AdapterStore
@@ -32,9 +33,7 @@ def adapters(embedded):
         store.close()
 
 
-def _config(**kw):
-    from loraplex.config import EngineConfig
-
+def _config(**kw) -> EngineConfig:
     return EngineConfig(device="cpu", **kw)
 
 
