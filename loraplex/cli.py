@@ -45,6 +45,20 @@ def _truthy(value: str) -> bool:
     return value.lower() in ("1", "true", "yes", "on")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """A bad flag: one line saying what is wrong and where the help is (not the whole usage)."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive(value: str) -> int:
+    """Sizes and limits that 0 would make useless (a prefill budget of 0 would never start a request)."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
 def _non_negative(value: str) -> int:
     number = int(value)
     if number < 0:
@@ -63,14 +77,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-id", default=_env("MODEL_ID"), help="HF directory, cached repo id or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=_env("DTYPE"), choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=_env("DEVICE"), help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--max-input-length", type=int, default=_env("MAX_INPUT_LENGTH", 4095, int))
-    p.add_argument("--max-total-tokens", type=int, default=_env("MAX_TOTAL_TOKENS", 4096, int))
-    p.add_argument("--max-batch-prefill-tokens", type=int, default=_env("MAX_BATCH_PREFILL_TOKENS", 4096, int))
-    p.add_argument("--max-batch-total-tokens", type=int, default=_env("MAX_BATCH_TOTAL_TOKENS", None, int),
+    p.add_argument("--max-input-length", type=_positive, default=_env("MAX_INPUT_LENGTH", 4095, int))
+    p.add_argument("--max-total-tokens", type=_positive, default=_env("MAX_TOTAL_TOKENS", 4096, int))
+    p.add_argument("--max-batch-prefill-tokens", type=_positive, default=_env("MAX_BATCH_PREFILL_TOKENS", 4096, int))
+    p.add_argument("--max-batch-total-tokens", type=_positive, default=_env("MAX_BATCH_TOTAL_TOKENS", None, int),
                    help="KV cache capacity in tokens (default: sized from free memory)")
-    p.add_argument("--max-active-adapters", type=int, default=_env("MAX_ACTIVE_ADAPTERS", 128, int),
+    p.add_argument("--max-active-adapters", type=_positive, default=_env("MAX_ACTIVE_ADAPTERS", 128, int),
                    help="device slots for adapters: distinct adapters one step can run")
-    p.add_argument("--max-lora-rank", type=int, default=_env("MAX_LORA_RANK", 64, int))
+    p.add_argument("--max-lora-rank", type=_positive, default=_env("MAX_LORA_RANK", 64, int))
     p.add_argument("--adapter-cycle-time-s", type=float, default=_env("ADAPTER_CYCLE_TIME_S", 2.0, float),
                    help="when more adapters wait than slots exist, how long one keeps its slot before yielding it")
     p.add_argument("--chat-template", default=_env("CHAT_TEMPLATE"),
@@ -290,7 +304,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from loraplex import __version__
 
-    parser = argparse.ArgumentParser(prog="loraplex", description="Multi-LoRA inference server.")
+    parser = _Parser(prog="loraplex", description="Multi-LoRA inference server.")
     parser.add_argument("--version", action="version", version=f"loraplex {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -298,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.add_argument("--hostname", default=_env("HOSTNAME_BIND", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=_env("PORT", 8080, int))
-    serve.add_argument("--max-concurrent-requests", type=int, default=_env("MAX_CONCURRENT_REQUESTS", 128, int),
+    serve.add_argument("--max-concurrent-requests", type=_positive, default=_env("MAX_CONCURRENT_REQUESTS", 128, int),
                        help="requests in flight at once; more get 429 with a Retry-After header")
     serve.add_argument("--max-queued-tokens", type=_positive, default=_env("MAX_QUEUED_TOKENS", None, _positive),
                        help="prompt + max_new_tokens of the requests in flight (admitted, not finished: waiting, "

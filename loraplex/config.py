@@ -156,7 +156,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Raises ValueError naming what the config lacks, holds wrongly typed, or what we do not serve."""
         check_hf_fields(hf)
+        try:
+            return cls._from_hf(hf)
+        except KeyError as exc:  # a field every config of its family has
+            raise ValueError(f"its config.json lacks {exc.args[0]!r}") from exc
+
+    @classmethod
+    def _from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         model_type = hf.get("model_type", "llama")
         if model_type == "llava_next":
             return _llava_next_from_hf(hf)

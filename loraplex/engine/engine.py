@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.config import EngineConfig, ModelConfig
+from loraplex.engine.containment import execute_contained, writers_of
 from loraplex.engine.grammar_masks import GrammarMasks
 from loraplex.engine.image_states import with_state_layout
 from loraplex.engine.images import ImageInputs
@@ -355,44 +356,66 @@ class Engine:
         if not plan.scheduled:
             return []
         started = time.monotonic()
-        for slot, adapter_id in plan.installs:
-            self.lora.install(slot, self._adapters[adapter_id][0])
+        failed = self._install(plan)
+        if not plan.scheduled:  # every request of the step failed its install
+            return failed
         for item in plan.scheduled:  # queue time ends when a request's first step begins
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = started
         try:
             results = self.runner.execute(plan.scheduled, plan.fresh_blocks, plan.fresh_state_blocks)
-        except Exception as error:  # noqa: BLE001 — contained below: only the failing adapter's requests fail
-            results = self._execute_isolated(plan.scheduled, error)
-        return self._update(plan, results)
+        except Exception as error:  # noqa: BLE001 — contained: only the requests it belongs to fail
+            results = execute_contained(self.runner.execute, plan.scheduled, error, self.scheduler.config.block_size,
+                                        plan.fresh_blocks, plan.fresh_state_blocks)
+        return failed + self._update(plan, results)
 
-    def _execute_isolated(self, scheduled: list[ScheduledRequest], error: Exception) -> list[StepResult]:
-        """The step failed: run each adapter's requests (and the base model's) on their own, so a
-        failure inside one adapter's computation fails only the requests on that adapter."""
-        by_adapter: dict[str | None, list[int]] = {}
-        for i, item in enumerate(scheduled):
-            by_adapter.setdefault(item.request.adapter_id, []).append(i)
-        results: list[StepResult] = [StepResult()] * len(scheduled)
-        for key, indices in by_adapter.items():
+    def _install(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """Install the step's new adapters into their slots. An adapter whose install raises fails the step's
+        requests for it and leaves its slot empty (a later request for it installs it again); requests that
+        read blocks they were to write are requeued (containment.py); the rest of the step runs."""
+        broken: dict[str, str] = {}
+        for slot, key in plan.installs:
+            adapter = self._adapters[key][0]
             try:
-                if len(by_adapter) == 1:
-                    raise error  # nothing to separate: the whole step was this adapter's
-                group = self.runner.execute([scheduled[i] for i in indices])
-            except Exception as group_error:  # noqa: BLE001
-                where = "the base model" if key is None else f"adapter {self._adapters[key][0].adapter_id!r}"
-                log.error("step failed for %s: %r", where, group_error)
-                group = [StepResult(error=f"{where} failed: {group_error}") for _ in indices]
-            for i, result in zip(indices, group):
-                results[i] = result
-        return results
+                self.lora.install(slot, adapter)
+            except Exception as error:  # noqa: BLE001
+                log.error("installing adapter %r failed: %r", adapter.adapter_id, error)
+                self.lora.clear(slot)  # an install stopped half way must leave nothing behind
+                broken[key] = f"adapter {adapter.adapter_id!r} could not be installed: {error}"
+        if not broken:
+            return []
+        writers = writers_of(plan.scheduled, self.scheduler.config.block_size)
+        results = [StepResult() for _ in plan.scheduled]
+        for i, item in enumerate(plan.scheduled):
+            if item.request.adapter_id in broken:
+                results[i].error = broken[item.request.adapter_id]
+            elif any(results[w].error or results[w].requeue for w in writers[i]):
+                results[i].requeue = True
+        outputs = self._settle(plan.scheduled, results)
+        plan.scheduled = [item for item, result in zip(plan.scheduled, results) if not (result.error or result.requeue)]
+        for adapter_id in broken:  # its requests are gone, so nothing pins it: free its slot
+            slot = self.scheduler.slots.slot_of(adapter_id)
+            self.scheduler.slots.evict(adapter_id)
+            assert self.lora.occupant[slot] is None, "a failed install left an adapter in its slot"
+        return outputs
+
+    def _settle(self, scheduled: list[ScheduledRequest], results: list[StepResult]) -> list[RequestOutput]:
+        """Fail the requests whose result is an error and requeue those to be requeued (in step order: a writer
+        before its readers)."""
+        outputs = []
+        for item, result in zip(scheduled, results):
+            if result.error is not None:
+                outputs.append(self._fail(item.request, result.error))
+            elif result.requeue:
+                self.scheduler.requeue(item.request)
+        return outputs
 
     def _update(self, plan: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
         now = time.monotonic()
-        outputs = []
+        outputs = self._settle(plan.scheduled, results)
         for item, result in zip(plan.scheduled, results):
             request = item.request
-            if result.error is not None:
-                outputs.append(self._fail(request, result.error))
+            if result.error is not None or result.requeue:
                 continue
             if result.prompt_logprobs:
                 request.prompt_logprobs = (request.prompt_logprobs or []) + result.prompt_logprobs

@@ -56,6 +56,9 @@ class StepResult:
     # Log-probabilities of the prompt tokens this step covered (first prompt token: None).
     prompt_logprobs: list[float | None] = field(default_factory=list)
     error: str | None = None  # set when this request's computation failed; the request fails alone
+    # Set when it could not run this step because a request whose KV blocks it reads failed (containment.py):
+    # it goes back to the queue and recomputes them.
+    requeue: bool = False
 
 
 @dataclass
@@ -264,6 +267,33 @@ class ModelRunner:
         """Sample `seqs` from their logits rows (`counts[i]` rows for sequence seqs[i], in order)."""
         started = seqs
         logits, seqs = self._drop_non_finite(logits, seqs, counts, results)
+        try:
+            self._process_and_sample(scheduled, started, seqs, logits, results, masks)
+        except Exception:  # noqa: BLE001 — one request's logits processing or sampling: it fails alone
+            if len(seqs) < 2:
+                raise
+            self._sample_one_by_one(scheduled, seqs, logits, results)
+
+    def _sample_one_by_one(
+        self, scheduled: list[ScheduledRequest], seqs: list[int], logits: torch.Tensor, results: list[StepResult]
+    ) -> None:
+        """Sample each sequence on its own rows (its grammar mask computed here), failing those that raise. The
+        rows may be partly processed already: forced tokens and masks are idempotent, the sampler draws from a
+        row's own logits and key (sampling.py), so each sequence gets the token of a batch without the fault."""
+        first = 0
+        for i in seqs:
+            rows = logits[first : first + scheduled[i].num_drafts + 1]
+            first += rows.shape[0]
+            try:
+                self._process_and_sample(scheduled, [i], [i], rows, results, None)
+            except Exception as error:  # noqa: BLE001
+                results[i].tokens, results[i].error = [], f"sampling failed for this request: {error}"
+
+    def _process_and_sample(
+        self, scheduled: list[ScheduledRequest], started: list[int], seqs: list[int], logits: torch.Tensor,
+        results: list[StepResult], masks: PendingMasks | None,
+    ) -> None:
+        """Forced tokens, grammar masks (`masks`: started for the sequences `started`), then sampling."""
         requests = [scheduled[i].request for i in seqs]
         drafts = [r.draft_ids[: scheduled[i].num_drafts] for r, i in zip(requests, seqs)]
         self._force_tokens(logits, requests, drafts)

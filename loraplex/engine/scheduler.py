@@ -289,6 +289,11 @@ class Scheduler:
             request.states_ready = False
         request.block_ids.extend(self.allocator.allocate(needed))
 
+    def requeue(self, request: Request) -> None:
+        """Put a running request back in the queue, as a preemption does (it could not run its step)."""
+        assert request.status is RequestStatus.RUNNING, "only a running request is requeued"
+        self._preempt(request)
+
     def _preempt(self, request: Request) -> Request:
         """Recompute preemption: forget the request's KV; it re-enters the queue at the front."""
         self.running.remove(request)

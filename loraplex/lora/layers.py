@@ -153,6 +153,14 @@ class LoraSlots:
         self.occupant[slot] = adapter.key
         self._stack = None
 
+    def clear(self, slot: int) -> None:
+        """Empty `slot` (after an install that failed part way): no layer holds weights for it."""
+        for table in self.tables.values():
+            table[slot] = None
+        self.pointers.set_slot(slot, {})
+        self.occupant[slot] = None
+        self._stack = None
+
     def stack(self, slots: tuple[int, ...]) -> "Stack":
         """The adapters in `slots` stacked per layer: A [G, R, in] and B [G, out, R] with the scale folded
         into B and ranks zero-padded to the largest R among them (zeros where a slot's adapter does not

@@ -81,6 +81,15 @@ class AdapterSlots:
         else:
             self._pins[adapter] = count - 1
 
+    def evict(self, adapter: str) -> None:
+        """Take `adapter` out of its slot now, leaving the slot free (its install failed: the slot holds nothing
+        usable). No running request may use it."""
+        assert adapter not in self._pins, f"adapter {adapter} is evicted while running requests use it"
+        slot = self._slot_of.pop(adapter)
+        del self._since[adapter], self._recency[adapter]
+        self._draining.discard(adapter)
+        self.occupant[slot] = None
+
     # ---- helpers -----------------------------------------------------------------------------------
 
     def _can_take_slot(self) -> bool:
@@ -99,10 +108,8 @@ class AdapterSlots:
             (a for a in candidates if a in self._draining),
             next((a for a in candidates if a not in self._wanted), candidates[0]),
         )
-        slot = self._slot_of.pop(victim)
-        del self._since[victim], self._recency[victim]
-        self._draining.discard(victim)
-        self.occupant[slot] = None
+        slot = self._slot_of[victim]
+        self.evict(victim)
         return slot
 
     def _assign(self, slot: int, adapter: str) -> None:

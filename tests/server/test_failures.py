@@ -76,3 +76,47 @@ def test_health_is_503_while_a_forward_fails(app_and_engine):
             return (await c.get("/health")).status_code, (await c.get("/health")).status_code
 
     assert run(health()) == (503, 200)
+
+
+def test_an_adapter_whose_load_raises_fails_only_its_requests(make_engine, monkeypatch):
+    """An unexpected error while reading one adapter (not a refusal: say, the disk) is that request's 500; the
+    requests beside it, on the base model and another adapter, answer as if it was not there."""
+    import pathlib
+
+    from loraplex.config import ServerConfig
+    from loraplex.lora import store
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "examples" / "adapters"
+    load = store.load_adapter_dir
+
+    def failing_load(path, key, *args):
+        if key == "name-orion":
+            raise OSError("injected read failure")
+        return load(path, key, *args)
+
+    monkeypatch.setattr(store, "load_adapter_dir", failing_load)
+    async_engine = AsyncEngine(make_engine(max_batch_total_tokens=2048))
+    app = create_app(async_engine, ServerConfig(adapter_source="local", adapter_roots=(str(root),)))
+
+    def body(adapter_id):
+        parameters = {"max_new_tokens": 4, "ignore_eos_token": True, **({"adapter_id": adapter_id} if adapter_id else {})}
+        return {"inputs": "What is your name?", "parameters": parameters}
+
+    async def generate(adapter_id):  # the 500 as a response, not re-raised into the client (as a real server)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            return await client.post("/generate", json=body(adapter_id))
+
+    async def main():
+        solo = [await generate(a) for a in (None, "name-nova")]
+        return solo, await asyncio.gather(*(generate(a) for a in (None, "name-orion", "name-nova")))
+
+    try:
+        solo, (base, orion, nova) = run(main())
+        assert orion.status_code == 500, orion.text
+        assert [base.json(), nova.json()] == [r.json() for r in solo]
+        monkeypatch.setattr(store, "load_adapter_dir", load)  # the failure was not remembered: it loads now
+        assert run(generate("name-orion")).status_code == 200
+        assert async_engine.engine.scheduler.allocator.num_used == 0
+    finally:
+        async_engine.shutdown()

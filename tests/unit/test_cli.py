@@ -102,3 +102,46 @@ def test_bench_takes_its_options():
     assert "equal" in run.stdout and "tok/s" in run.stdout
     rejected = loraplex("bench", "--workload", "nonsense")
     assert rejected.returncode == 2 and "invalid choice" in rejected.stderr
+
+
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 100}
+
+
+def unloadable_model(tmp_path, kind: str) -> str:
+    """A model directory `serve` cannot load (or a path that is none)."""
+    if kind == "missing":
+        return str(tmp_path / "no-such-model")
+    (tmp_path / "config.json").write_text({
+        "broken-config": "{not json", "config-without-fields": json.dumps({"model_type": "llama"}),
+    }.get(kind, json.dumps(LLAMA_CONFIG)))
+    if kind in ("config-without-fields", "corrupt-safetensors"):
+        (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("missing", "no such file or directory"),
+    ("broken-config", "cannot read"),
+    ("config-without-fields", "config.json lacks 'num_attention_heads'"),
+    ("no-safetensors", "no *.safetensors weights"),
+    ("corrupt-safetensors", "cannot read"),
+])
+def test_serve_with_an_unloadable_model_exits_with_one_line(tmp_path, kind, message):
+    run = loraplex("serve", "--port", "0", "--model-id", unloadable_model(tmp_path, kind))
+    errors = [line for line in run.stderr.splitlines() if "error" in line.lower()]
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert errors == [run.stderr.strip().splitlines()[-1]] and errors[0].startswith("loraplex: error:"), run.stderr
+    assert message in errors[0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "abc"], "argument --port: invalid int value: 'abc'"),
+    (["--max-batch-prefill-tokens", "0"], "argument --max-batch-prefill-tokens: must be >= 1, got 0"),
+    (["--max-total-tokens", "-5"], "must be >= 1"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_serve_with_bad_flags_exits_with_one_line(flags, message):
+    run = loraplex("serve", *flags)
+    assert run.returncode == 2 and run.stdout == "", run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and message in run.stderr and "--help" in run.stderr, run.stderr
