@@ -125,7 +125,7 @@ def unloadable_model(tmp_path, kind: str) -> str:
     ("broken-config", "cannot read"),
     ("config-without-fields", "config.json lacks 'num_attention_heads'"),
     ("no-safetensors", "no *.safetensors weights"),
-    ("corrupt-safetensors", "cannot read"),
+    ("corrupt-safetensors", "is not a valid safetensors file"),
 ])
 def test_serve_with_an_unloadable_model_exits_with_one_line(tmp_path, kind, message):
     run = loraplex("serve", "--port", "0", "--model-id", unloadable_model(tmp_path, kind))
