@@ -25,7 +25,12 @@ def _env(name: str, default=None, cast=str):
     """LoRAX-style flags may also come from the environment (MODEL_ID, PORT, ...)."""
     _ENV_NAMES.add(name)
     value = os.environ.get(name)
-    return default if value is None else cast(value)
+    if value is None:
+        return default
+    try:
+        return cast(value)
+    except (ValueError, argparse.ArgumentTypeError) as exc:  # read before argparse runs: reported as main's errors
+        raise UsageError(f"environment variable {name}={value!r}: {exc}") from None
 
 
 def _describe_defaults(parser: argparse.ArgumentParser) -> None:
@@ -373,14 +378,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from loraplex.lora.adapter import AdapterError
 
-    args, rest = build_parser().parse_known_args(argv)
-    if getattr(args, "func", None) is cmd_bench:
-        args.bench_args = rest
-    elif rest:
-        build_parser().parse_args(argv)  # reports the unrecognised arguments and exits
-    if getattr(args, "huggingface_hub_cache", None):  # before anything imports huggingface_hub
-        os.environ["HF_HUB_CACHE"] = args.huggingface_hub_cache
     try:
+        args, rest = build_parser().parse_known_args(argv)
+        if getattr(args, "func", None) is cmd_bench:
+            args.bench_args = rest
+        elif rest:
+            build_parser().parse_args(argv)  # reports the unrecognised arguments and exits
+        if getattr(args, "huggingface_hub_cache", None):  # before anything imports huggingface_hub
+            os.environ["HF_HUB_CACHE"] = args.huggingface_hub_cache
         return args.func(args)
     except (AdapterError, QuantizationError, UsageError) as exc:  # what the user can fix: one line, no traceback
         print(f"loraplex: error: {' '.join(str(exc).split())}", file=sys.stderr)

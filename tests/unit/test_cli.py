@@ -17,9 +17,9 @@ from loraplex.cli import build_parser
 from tests.helpers import free_port
 
 
-def loraplex(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def loraplex(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "loraplex.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
 def test_version():
@@ -145,3 +145,14 @@ def test_serve_with_bad_flags_exits_with_one_line(flags, message):
     run = loraplex("serve", *flags)
     assert run.returncode == 2 and run.stdout == "", run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and message in run.stderr and "--help" in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"MAX_TOTAL_TOKENS": "abc"}, "environment variable MAX_TOTAL_TOKENS='abc'"),
+    ({"MAX_QUEUED_TOKENS": "0"}, "environment variable MAX_QUEUED_TOKENS='0': must be >= 1"),
+])
+def test_serve_with_a_bad_environment_variable_exits_with_one_line(env, message):
+    run = loraplex("serve", env=env)
+    assert run.returncode == 2 and run.stdout == "" and "Traceback" not in run.stderr, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"loraplex: error: {message}"), run.stderr
