@@ -55,6 +55,14 @@ def wait_for(server: str, running: int, timeout: float) -> float:
     raise AssertionError(f"running never reached {running} in {timeout} s: {gauges(server)}")
 
 
+def wait_for_more_kv(server: str, usage: float, timeout: float) -> None:
+    """Until the KV cache holds more than `usage` (the running request has filled another block)."""
+    started = time.monotonic()
+    while gauges(server)["vllm:kv_cache_usage_perc"] <= usage:
+        assert time.monotonic() - started < timeout, f"the request made no progress in {timeout} s"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_a_client_that_leaves_stops_its_request(server, route):
     path, body = ROUTES[route]
@@ -64,9 +72,10 @@ def test_a_client_that_leaves_stops_its_request(server, route):
         conn.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
         wait_for(server, running=1, timeout=60)
-        time.sleep(0.5)  # a few tokens in
+        wait_for_more_kv(server, gauges(server)["vllm:kv_cache_usage_perc"], timeout=60)  # a block of tokens in
     # Within a few steps (a busy shared machine gets slack; the request would otherwise run for minutes).
-    wait_for(server, running=0, timeout=30)
+    released = wait_for(server, running=0, timeout=30)
+    print(f"{route}: running gauge and KV cache back to idle {released:.2f} s after the client left")
     ok = httpx.post(f"{server}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}, timeout=60)
     assert ok.status_code == 200  # and its concurrency slot came back
 
