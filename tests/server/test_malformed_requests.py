@@ -259,6 +259,22 @@ def test_unknown_fields_are_ignored_on_both_apis(client, path):
     assert post(client, path, body).status_code == 200
 
 
+ADAPTER_SOURCE = {
+    "/generate": {"inputs": "Hello", "parameters": {"max_new_tokens": 2, "adapter_id": "org/adapter",
+                                                    "adapter_source": "ftp"}},
+    "/v1/completions": {"model": "org/adapter", "prompt": "Hello", "max_tokens": 2, "adapter_source": "ftp"},
+    "/v1/chat/completions": {"model": "org/adapter", "messages": [{"role": "user", "content": "Hello"}],
+                             "max_tokens": 2, "adapter_source": "ftp"},
+}
+
+
+@pytest.mark.parametrize("path", list(ADAPTER_SOURCE))
+def test_an_unserved_adapter_source_is_refused_the_same_way_on_both_apis(client, path):
+    response = post(client, path, ADAPTER_SOURCE[path])
+    assert response.status_code == (400 if path.startswith("/v1/") else 422), response.text
+    assert "adapter_source 'ftp' is not served" in response.text
+
+
 # ---- fuzz ----------------------------------------------------------------------------------------
 
 FIELDS = {
