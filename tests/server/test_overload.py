@@ -223,6 +223,7 @@ def test_a_burst_completes_with_solo_outputs_or_gets_429_and_nothing_stays_in_fl
         refused = [request for request, (status, _) in results if status == "429"]
         assert len(done) + len(refused) == 3 * MAX_CONCURRENT
         assert len(done) >= MAX_CONCURRENT and refused, results
+        print(f"burst of {len(results)}: {len(done)} completed with their solo output, {len(refused)} got 429")
         for (api, prompt, stream), text in done:
             assert text == solo[api, prompt], (api, prompt, stream)
     completed_apis = {api for results in waves for (api, _, _), (status, _) in results if status == "ok"}
@@ -230,6 +231,7 @@ def test_a_burst_completes_with_solo_outputs_or_gets_429_and_nothing_stays_in_fl
     metrics = scrape(server)
     # The cache could not hold the admitted requests at once: some were preempted, and still answered exactly.
     assert metrics["vllm:num_preemptions_total"] > preempted_before
+    print(f"preemptions: {metrics['vllm:num_preemptions_total'] - preempted_before:.0f}")
     nothing = {name: metrics[name] for name in (
         "loraplex_requests_in_flight", "loraplex_queued_tokens", "vllm:num_requests_running",
         "vllm:num_requests_waiting")}
