@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -230,6 +231,18 @@ def load_ours(hf, path) -> tuple[torch.nn.Module, ModelConfig]:
     source = resolve_model(path)
     config = ModelConfig.from_hf(source.hf_config)
     return build_model(config, load_state_dict(source)), config
+
+
+def asgi_calls(app, *calls: tuple[str, str, dict | None]) -> list:
+    """(method, path, JSON body) calls to an ASGI app, one after the other, in one event loop; a streamed call's
+    body is read to its end. The httpx responses."""
+    import httpx
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120) as c:
+            return [await c.request(method, path, json=body) for method, path, body in calls]
+
+    return asyncio.run(main())
 
 
 def free_port() -> int:

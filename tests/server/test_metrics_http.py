@@ -4,11 +4,9 @@ request, and the `adapter` label is the adapter as the client named it."""
 
 from __future__ import annotations
 
-import asyncio
 import pathlib
 import re
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -17,6 +15,7 @@ from loraplex.engine.async_engine import AsyncEngine
 from loraplex.server import metrics as metrics_module
 from loraplex.server.app import create_app
 from loraplex.server.metrics import Metrics
+from tests.helpers import asgi_calls
 
 ADAPTERS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "adapters"
 LORAX_COUNTERS = ("lorax_request_count", "lorax_request_success", "lorax_request_failure")
@@ -41,18 +40,10 @@ def make_app(make_engine):
         engine.shutdown()
 
 
-def talk(app, *calls: tuple[str, str, dict | None]) -> list[httpx.Response]:
-    """The calls one after the other; a streamed call's body is read to its end."""
-
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120) as c:
-            return [await c.request(method, path, json=body) for method, path, body in calls]
-
-    return asyncio.run(main())
 
 
 def scrape(app) -> tuple[str, dict]:
-    (response,) = talk(app, ("GET", "/metrics", None))
+    (response,) = asgi_calls(app, ("GET", "/metrics", None))
     return response.text, {f.name: f for f in text_string_to_metric_families(response.text)}
 
 
@@ -68,7 +59,7 @@ def generate(max_new_tokens: int, **parameters) -> dict:
 def test_every_family_parses_with_its_type_and_lorax_counters_keep_their_names(make_app):
     app = make_app()
     invalid = {"inputs": "x", "parameters": {"top_p": 2}}
-    ok, bad = talk(app, ("POST", "/generate", generate(2)), ("POST", "/generate", invalid))
+    ok, bad = asgi_calls(app, ("POST", "/generate", generate(2)), ("POST", "/generate", invalid))
     assert (ok.status_code, bad.status_code) == (200, 422)
     text, families = scrape(app)
     untyped = [name for name, f in families.items() if f.type in ("unknown", "untyped")]
@@ -89,7 +80,7 @@ def test_every_family_parses_with_its_type_and_lorax_counters_keep_their_names(m
 def test_vllm_request_metrics_move_with_plain_and_streamed_requests(make_app):
     app = make_app()
     _, before = scrape(app)
-    whole, streamed = talk(app, ("POST", "/generate", generate(5)), ("POST", "/generate_stream", generate(5)))
+    whole, streamed = asgi_calls(app, ("POST", "/generate", generate(5)), ("POST", "/generate_stream", generate(5)))
     assert whole.status_code == streamed.status_code == 200
     assert streamed.text.count("data:") == 5
     _, after = scrape(app)
@@ -119,7 +110,7 @@ def test_adapter_label_is_the_id_the_client_named(make_app):
     # "local:<id>"; the label must stay the id the client sent.
     app = make_app(adapter_source="hub", adapter_roots=(str(ADAPTERS),))
     merged = {"ids": ["name-nova", "name-lyra"], "weights": [0.5, 0.5]}
-    responses = talk(
+    responses = asgi_calls(
         app,
         ("POST", "/generate", generate(2, adapter_id="name-nova", adapter_source="local")),
         ("POST", "/generate", generate(2, merged_adapters=merged, adapter_source="local")),

@@ -6,11 +6,9 @@ token is in no response, log line, metric or /v1/models entry. The in-process ap
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import pathlib
 
-import httpx
 import pytest
 
 from loraplex.config import ServerConfig
@@ -18,6 +16,7 @@ from loraplex.engine.async_engine import AsyncEngine
 from loraplex.lora.hub_source import token_scope
 from loraplex.lora.store import AdapterStore
 from loraplex.server.app import create_app
+from tests.helpers import asgi_calls
 from tests.lora.fake_hub import FakeHub
 
 SHIPPED = pathlib.Path(__file__).resolve().parents[2] / "examples" / "adapters"
@@ -42,12 +41,6 @@ def app(make_engine):
     engine.shutdown()
 
 
-def talk(app, *calls: tuple[str, str, dict | None]) -> list[httpx.Response]:
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120) as c:
-            return [await c.request(method, path, json=body) for method, path, body in calls]
-
-    return asyncio.run(main())
 
 
 def native(token: str | None = None, **parameters) -> dict:
@@ -84,7 +77,7 @@ def test_both_apis_check_the_token_on_every_request(app, caplog):
         ("GET", "/v1/models", None),
         ("GET", "/metrics", None),
     ]
-    responses = talk(app, *calls)
+    responses = asgi_calls(app, *calls)
     statuses = [r.status_code for r in responses]
     assert statuses == [200, 404, 404, 404, 404, 404, 404, 200, 200, 200, 200, 200, 200], [r.text for r in responses]
     for refused in responses[1:5]:  # native: as a missing adapter, by the id the client gave
