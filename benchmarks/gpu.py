@@ -297,6 +297,8 @@ def bench_online(args, loaded: LoadedModel) -> list:
     ))
     adapters = [random_adapter(f"online-{k}", engine.lora.base_shapes, SPEC, SPEC.rank, seed=args.seed * 7919 + k)
                 for k in range(args.num_adapters)]
+    for adapter in adapters:  # hashed now, as the server's store does at load, not on first use in the timed run
+        adapter.fingerprint
     special = (c.bos_token_id, *c.eos_token_ids)
     workload = online_workload(c.vocab_size, args.rate, args.num_adapters, args.zipf_alpha, args.duration,
                                args.requests, tuple(args.prompt_lens), tuple(args.output_lens), special, args.seed)
