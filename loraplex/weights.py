@@ -16,7 +16,6 @@ filled, every checkpoint tensor used or explicitly ignored, every shape must mat
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import pathlib
 import re
@@ -26,6 +25,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from loraplex.json_files import JsonFileError, read_json_object
 from loraplex.safetensors_check import SafetensorsHeaderError, TensorHeader, read_header
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -122,16 +122,9 @@ def read_json(file: pathlib.Path, name: str) -> dict[str, Any]:
     """A model's JSON file (config.json, the shard index, generation_config.json) as a dict, bounded in size;
     anything else is a WeightsError naming the file."""
     try:
-        if file.stat().st_size > MAX_JSON_BYTES:
-            raise WeightsError(f"{name}: cannot read {file.name}: larger than {MAX_JSON_BYTES} bytes")
-        value = json.loads(file.read_text())
-    except RecursionError:
-        raise WeightsError(f"{name}: cannot read {file.name}: nested too deeply") from None
-    except (OSError, ValueError) as e:
-        raise WeightsError(f"{name}: cannot read {file}: {e}") from e
-    if not isinstance(value, dict):
-        raise WeightsError(f"{name}: cannot read {file.name}: not a JSON object")
-    return value
+        return read_json_object(file, MAX_JSON_BYTES)
+    except JsonFileError as exc:
+        raise WeightsError(f"{name}: cannot read {file.name}: {exc}") from exc
 
 
 def hub_offline() -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import math
 import pathlib
 import re
@@ -23,6 +22,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from loraplex.json_files import JsonFileError, read_json_object
 from loraplex.lora.errors import AdapterError, AdapterInvalid, AdapterNotFound
 from loraplex.lora.patterns import MatchBudget, UserPattern
 from loraplex.safetensors_check import SafetensorsHeaderError, read_header
@@ -449,17 +449,9 @@ def load_adapter_dir(
             )
         raise AdapterNotFound(f"adapter {adapter_id!r}: no {ADAPTER_WEIGHTS} in the adapter's directory")
     try:
-        if config_path.stat().st_size > MAX_CONFIG_BYTES:
-            raise AdapterInvalid(f"adapter {adapter_id!r}: {ADAPTER_CONFIG} is larger than {MAX_CONFIG_BYTES} bytes")
-        raw = json.loads(config_path.read_text())
-    except OSError as exc:  # its strerror only: the exception's text holds the path
-        raise AdapterInvalid(f"adapter {adapter_id!r}: {ADAPTER_CONFIG} cannot be read ({exc.strerror})") from exc
-    except RecursionError:
-        raise AdapterInvalid(f"adapter {adapter_id!r}: {ADAPTER_CONFIG} is nested too deeply") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise AdapterInvalid(f"adapter {adapter_id!r}: {ADAPTER_CONFIG} is not valid JSON ({exc})") from exc
-    if not isinstance(raw, dict):
-        raise AdapterInvalid(f"adapter {adapter_id!r}: {ADAPTER_CONFIG} is not a JSON object")
+        raw = read_json_object(config_path, MAX_CONFIG_BYTES)
+    except JsonFileError as exc:
+        raise AdapterInvalid(f"adapter {adapter_id!r}: {ADAPTER_CONFIG} {exc}") from exc
     try:
         config = LoraConfig.from_dict(raw, max_rank)
         try:
