@@ -7,6 +7,7 @@ import torch
 
 from loraplex.lora.adapter import LoraWeights
 from loraplex.lora.kernels import SlotPointers
+from loraplex.lora.upload import laid_out
 
 CASES = [(1, 1), (32, 8), (64, 64)]  # (rows, distinct adapters)
 SHAPES = [(4096, 14336), (14336, 4096), (4096, 1024)]  # Llama-3.1-8B's up, down and k/v projections
@@ -33,8 +34,8 @@ def main() -> None:
     for rows, distinct in CASES:
         for in_features, out_features in SHAPES:
             tables = SlotPointers(["layer"], distinct, device)
-            weights = [LoraWeights(torch.randn(RANK, in_features, device=device, dtype=dtype) * 0.01,
-                                   torch.randn(out_features, RANK, device=device, dtype=dtype), 2.0).for_kernels()
+            weights = [laid_out(LoraWeights(torch.randn(RANK, in_features, device=device, dtype=dtype) * 0.01,
+                                            torch.randn(out_features, RANK, device=device, dtype=dtype), 2.0))
                        for _ in range(distinct)]
             for slot, w in enumerate(weights):
                 tables.set_slot(slot, {"layer": w})

@@ -32,6 +32,7 @@ from loraplex.layers.forward_context import (
     lora_segments,
 )
 from loraplex.layers.kernels import triton_available
+from loraplex.layers.projections import fuse_projections
 from loraplex.lora.layers import LoraSlots
 from loraplex.sampling import Sampler, token_logprobs
 
@@ -125,6 +126,12 @@ def _slot_order(item: ScheduledRequest) -> int:
     return -1 if slot is None else slot
 
 
+def fused_projections_wanted(device: torch.device) -> bool:
+    """Sibling projections (q/k/v, gate/up) in one product on CUDA (layers/projections.py). The CPU keeps one
+    product each: its results stay bit for bit those of the parity tests."""
+    return device.type == "cuda"
+
+
 class ModelRunner:
     def __init__(
         self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
@@ -135,6 +142,8 @@ class ModelRunner:
         self.model = model
         self.lora = lora  # the engine's device slots (None: no adapters)
         self.device, self.dtype = device, dtype
+        if fused_projections_wanted(device):  # before any graph captures the unfused products
+            fuse_projections(model)
         self.block_size = block_size
         self.backend = backend or default_backend(device)
         # Layers that cache only cross-attention states (Mllama's cross layers) get `num_state_blocks` blocks

@@ -13,6 +13,7 @@ their own request's cross-attention states, which live in KV blocks of the same 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from typing import Callable, Protocol, Sequence
 
@@ -134,7 +135,12 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         for g, group in enumerate(md.decode_groups):
             out[group.rows] = self._decode(layer, q[group.rows], key_cache, value_cache, md, g)
-        for s in md.prefill_seqs:
+        self._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, md.prefill_seqs, out)
+        return out
+
+    def _prefill_seqs(self, layer, q, k, v, key_cache, value_cache, md, seqs, out) -> None:
+        """Attention for the rows of `seqs` (prompts, chunks, resumed requests), written into `out`."""
+        for s in seqs:
             start, end = md.query_start_loc[s], md.query_start_loc[s + 1]
             seq_len = md.seq_lens[s]
             if seq_len == end - start:  # nothing cached before this step: use the new k/v directly
@@ -143,7 +149,6 @@ class TorchAttentionBackend:
                 keys, values = self._gather(key_cache, value_cache, md.block_tables[s : s + 1], seq_len)
                 keys, values = keys[0], values[0]
             out[start:end] = self._prefill(layer, q[start:end], keys, values, seq_len, md, s)
-        return out
 
     def encoder_forward(self, layer, q, k, v, md):
         enc = md.encoder
@@ -284,8 +289,28 @@ def _biased_mask(bias: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) 
 
 class TritonAttentionBackend(TorchAttentionBackend):
     """CUDA: decode rows attend to the paged cache in place (`layers/kernels/paged_decode.py`: GQA, sliding
-    windows, ALiBi), with no gather into a padded copy. Prefill, encoder and cross-attention, and decode under
-    T5's relative position bias, are the torch reference's."""
+    windows, ALiBi), with no gather into a padded copy; fresh prompts attend in one variable-length FlashAttention
+    launch per layer (`layers/kernels/varlen_prefill.py`). Resumed prompts, score biases, encoder and
+    cross-attention, and decode under T5's relative position bias are the torch reference's."""
+
+    def _prefill_seqs(self, layer, q, k, v, key_cache, value_cache, md, seqs, out) -> None:
+        """Fresh prompts (nothing cached before them) in one variable-length launch where the kernel runs and the
+        layer adds no score bias; the others as the reference does."""
+        from loraplex.layers.kernels.varlen_prefill import causal_varlen, varlen_usable
+
+        if not seqs or layer.has_score_bias or not varlen_usable(q, layer.num_kv_heads):
+            return super()._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, seqs, out)
+        fresh = _fresh_prompts(md, q.device)
+        if fresh is None:
+            return super()._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, seqs, out)
+        rows = fresh.rows
+        attended = causal_varlen(q[rows], k[rows], v[rows], fresh.cu_seqlens, fresh.max_len, layer.scale,
+                                 layer.sliding_window)
+        if isinstance(rows, slice):
+            out[rows] = attended
+        else:
+            out.index_copy_(0, rows, attended)
+        super()._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, fresh.others, out)
 
     def _decode(self, layer, q, key_cache, value_cache, md, g):
         if layer.position_bias is not None:
@@ -297,6 +322,40 @@ class TritonAttentionBackend(TorchAttentionBackend):
         tables = md.block_tables if group.in_order else md.block_tables[group.seqs]
         return paged_decode(q.contiguous(), key_cache, value_cache, tables, group.seq_lens,
                             layer.scale, layer.sliding_window, slopes, group.max_len)
+
+
+@dataclass(frozen=True)
+class _FreshPrompts:
+    """The step's prompts with nothing cached before them: their rows (a slice when contiguous, else an index),
+    their offsets within those rows (int32, on the device) and longest length; `others`: the other prefill
+    sequences."""
+
+    rows: slice | torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_len: int
+    others: list[int]
+
+
+def _fresh_prompts(md: AttentionMetadata, device: torch.device) -> _FreshPrompts | None:
+    """Computed once per step (every layer shares it); None when no prompt is fresh."""
+    if "fresh prompts" not in md.step_cache:
+        starts, lens, fresh, others = md.query_start_loc, md.seq_lens, [], []
+        for s in md.prefill_seqs:
+            (fresh if lens[s] == starts[s + 1] - starts[s] else others).append(s)
+        found = None
+        if fresh:
+            offsets = [0]
+            for s in fresh:
+                offsets.append(offsets[-1] + lens[s])
+            contiguous = all(starts[b] == starts[a + 1] for a, b in zip(fresh, fresh[1:]))
+            if contiguous:
+                rows = slice(starts[fresh[0]], starts[fresh[-1] + 1])
+            else:
+                rows = torch.tensor([r for s in fresh for r in range(starts[s], starts[s + 1])], device=device)
+            cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=device)
+            found = _FreshPrompts(rows, cu_seqlens, max(lens[s] for s in fresh), others)
+        md.step_cache["fresh prompts"] = found
+    return md.step_cache["fresh prompts"]
 
 
 def default_backend(device: torch.device) -> AttentionBackend:

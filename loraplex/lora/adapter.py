@@ -266,13 +266,6 @@ class LoraWeights:
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "LoraWeights":
         return LoraWeights(self.a.to(device, dtype), self.b.to(device, dtype), self.scale)
 
-    def for_kernels(self) -> "LoraWeights":
-        """Fresh copies laid out as the per-row kernels read them: A [r, in] and B.T [r, out] dense (so `b` is a
-        transposed view), each its own allocation (aligned). The segment forms take any layout."""
-        a = torch.empty_like(self.a, memory_format=torch.contiguous_format).copy_(self.a)
-        b_t = torch.empty(self.b.shape[::-1], dtype=self.b.dtype, device=self.b.device).copy_(self.b.t())
-        return LoraWeights(a, b_t.t(), self.scale)
-
 
 @dataclass
 class LoraAdapter:

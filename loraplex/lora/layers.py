@@ -23,6 +23,7 @@ from torch import nn
 from loraplex.layers.forward_context import LoraGroups, LoraSegment, current_lora_rows
 from loraplex.lora.adapter import BaseShapes, LoraAdapter, LoraWeights
 from loraplex.lora.kernels import SlotPointers, add_lora, add_lora_stacked
+from loraplex.lora.upload import AdapterUploader
 from loraplex.quantization import dequantized_weight
 
 # Which rows a LoRA-wrapped linear sees (DESIGN.md 7), by its module path: the output head sees the rows
@@ -72,7 +73,11 @@ class LoraLinear(nn.Module):
         return dequantized_weight(self.base)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
+        return self.add_to(self.base(x), x)
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The base output `out` for input `x` plus each row's adapter delta (in place where the dtypes allow).
+        Called by `forward`, and by `layers.projections.project` with this layer's slice of a fused product."""
         if out.dtype != x.dtype:  # a quantized base may compute in another dtype: deltas add in x's
             out = out.to(x.dtype)
         rows = current_lora_rows()
@@ -134,6 +139,7 @@ class LoraSlots:
         self.occupant: list[str | None] = [None] * num_slots
         # Where each slot's weights live, for the per-row kernels (kept in step with `tables` by `install`).
         self.pointers = SlotPointers(list(self.layers), num_slots, device)
+        self._uploader = AdapterUploader(device, dtype)
         self._stack: tuple[tuple[int, ...], Stack] | None = None  # the last one built, until an install
 
     @property
@@ -146,9 +152,9 @@ class LoraSlots:
         unknown = set(adapter.modules) - set(self.tables)
         assert not unknown, f"adapter {adapter.adapter_id} targets modules the model lacks: {sorted(unknown)[:3]}"
         assert adapter.max_rank <= self.max_rank, f"adapter {adapter.adapter_id} has rank {adapter.max_rank} > {self.max_rank}"
+        uploaded = self._uploader.upload(adapter.modules)
         for name, table in self.tables.items():
-            weights = adapter.modules.get(name)
-            table[slot] = None if weights is None else weights.to(self.device, self.dtype).for_kernels()
+            table[slot] = uploaded.get(name)
         self.pointers.set_slot(slot, {name: table[slot] for name, table in self.tables.items()})
         self.occupant[slot] = adapter.key
         self._stack = None

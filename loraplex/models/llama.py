@@ -15,12 +15,15 @@ from loraplex.config import ModelConfig
 from loraplex.layers.activation import act_and_mul
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.norms import RMSNorm
+from loraplex.layers.projections import project
 from loraplex.layers.rotary import RotaryEmbedding, apply_rotary
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class LlamaAttention(nn.Module):
+    SIBLINGS = (("q_proj", "k_proj", "v_proj"),)  # one product when fused (layers/projections.py)
+
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -35,14 +38,17 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
+        q, k, v = project(self, x, ("q_proj", "k_proj", "v_proj"))
+        q = q.view(rows, self.num_heads, self.head_dim)
+        k = k.view(rows, self.num_kv_heads, self.head_dim)
+        v = v.view(rows, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, rope)
         return self.o_proj(self.attn(q, k, v).reshape(rows, -1))
 
 
 class LlamaMLP(nn.Module):
+    SIBLINGS = (("gate_proj", "up_proj"),)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         bias = config.mlp_bias
@@ -52,7 +58,7 @@ class LlamaMLP(nn.Module):
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(act_and_mul(self.act, self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(act_and_mul(self.act, *project(self, x, ("gate_proj", "up_proj"))))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -48,6 +48,13 @@ def test_silu_and_mul(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_silu_and_mul_on_the_halves_of_a_fused_gate_up_product(dtype):
+    gate, up = (torch.randn(5, 2 * 1536, device=DEVICE).to(dtype) * 4).split(1536, dim=1)  # strided rows
+    assert not gate.is_contiguous()
+    torch.testing.assert_close(silu_and_mul(gate, up), F.silu(gate) * up, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads,dim", [(32, 128), (3, 64), (2, 96)])
 def test_rotary(dtype, heads, dim):
     from loraplex.config import RopeConfig

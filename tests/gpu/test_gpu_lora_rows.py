@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from loraplex.lora.adapter import LoraWeights
+from loraplex.lora.upload import laid_out
 from loraplex.lora.kernels import SlotPointers, add_lora_rows_reference
 
 if not torch.cuda.is_available():
@@ -25,7 +26,7 @@ def slot_weights(in_features, out_features, dtype, seed, ranks=RANKS):
             continue
         a = torch.randn(rank, in_features, generator=g, device=DEVICE) / in_features**0.5
         b = torch.randn(out_features, rank, generator=g, device=DEVICE)
-        weights.append(LoraWeights(a.to(dtype), b.to(dtype), 0.5 + k).for_kernels())
+        weights.append(laid_out(LoraWeights(a.to(dtype), b.to(dtype), 0.5 + k)))
     return weights
 
 

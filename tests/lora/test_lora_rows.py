@@ -5,13 +5,14 @@ import torch
 
 from loraplex.layers.forward_context import LoraSegment
 from loraplex.lora.adapter import LoraWeights
+from loraplex.lora.upload import laid_out
 from loraplex.lora.kernels import SlotPointers, add_lora, add_lora_rows_reference
 
 
 def weights(rank, seed, in_features=24, out_features=10):
     g = torch.Generator().manual_seed(seed)
     a, b = torch.randn(rank, in_features, generator=g), torch.randn(out_features, rank, generator=g)
-    return LoraWeights(a, b, 0.5).for_kernels()
+    return laid_out(LoraWeights(a, b, 0.5))
 
 
 def test_reference_matches_the_segment_form():

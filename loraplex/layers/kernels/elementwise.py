@@ -36,22 +36,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offsets < numel
-    gate = tl.load(gate_ptr + offsets, mask=ok, other=0.0)
-    up = tl.load(up_ptr + offsets, mask=ok, other=0.0)
+def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, size, stride_in, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < size
+    gate = tl.load(gate_ptr + row * stride_in + cols, mask=ok, other=0.0)
+    up = tl.load(up_ptr + row * stride_in + cols, mask=ok, other=0.0)
     g = gate.to(tl.float32)
     activated = (g / (1.0 + libdevice.exp(-g))).to(gate.dtype)
-    tl.store(out_ptr + offsets, (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=ok)
+    tl.store(out_ptr + row * size + cols, (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=ok)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up (contiguous, same shape and dtype)."""
-    assert gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape and gate.dtype == up.dtype
-    out = torch.empty_like(gate)
+    """silu(gate) * up, for gate and up [T, F] of one dtype with the same row stride and dense rows (such as
+    the two halves of a fused gate/up product) -> a new contiguous [T, F]."""
+    assert gate.dim() == 2 and gate.shape == up.shape and gate.dtype == up.dtype
+    assert gate.stride(1) == up.stride(1) == 1 and gate.stride(0) == up.stride(0)
+    rows, size = gate.shape
+    out = torch.empty(rows, size, dtype=gate.dtype, device=gate.device)
     block = 1024
-    _silu_and_mul_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, out, gate.numel(), BLOCK=block)
+    _silu_and_mul_kernel[(rows, triton.cdiv(size, block))](gate, up, out, size, gate.stride(0), BLOCK=block)
     return out
 
 

@@ -2,7 +2,7 @@
 live on the device.
 
 `SlotPointers` holds, for every LoRA layer and slot, the addresses of the slot's A [r, in] and B.T [r, out] (each
-dense, row-major, 16-byte aligned: `LoraWeights.for_kernels` lays them out so), its rank (0: the slot's adapter does not target the layer, or the slot is empty) and its scale.
+dense, row-major, 16-byte aligned: `lora/upload.py` lays them out so), its rank (0: the slot's adapter does not target the layer, or the slot is empty) and its scale.
 Installing an adapter rewrites its slot's entries and nothing else: a kernel that reads the tables (and a CUDA
 graph that captured it) sees the new adapter at its next launch, whatever its rank. The tables hold addresses
 only; the owner (`LoraSlots`) keeps the tensors alive while their slot holds them.
@@ -36,8 +36,8 @@ class SlotPointers:
 
     def set_slot(self, slot: int, weights: Mapping[str, LoraWeights | None]) -> None:
         """Point `slot` at these weights (on the tables' device, contiguous); layers absent or None: rank 0."""
-        pointers, ranks, scales = self._host
-        pointers[:, slot], ranks[:, slot], scales[:, slot] = 0, 0, 0.0
+        layers = len(self.index)
+        a_at, b_at, ranks, scales = [0] * layers, [0] * layers, [0] * layers, [0.0] * layers
         for name, w in weights.items():
             if w is None:
                 continue
@@ -45,11 +45,15 @@ class SlotPointers:
             assert w.a.is_contiguous() and b_t.is_contiguous(), "the kernels read A and B.T as dense row-major"
             assert w.a.data_ptr() % 16 == 0 and b_t.data_ptr() % 16 == 0, "the kernels load A and B.T 16 bytes at a time"
             i = self.index[name]
-            pointers[i, slot, 0], pointers[i, slot, 1] = w.a.data_ptr(), b_t.data_ptr()
-            ranks[i, slot], scales[i, slot] = w.rank, w.scale
+            a_at[i], b_at[i], ranks[i], scales[i] = w.a.data_ptr(), b_t.data_ptr(), w.rank, w.scale
+        host_pointers, host_ranks, host_scales = self._host
+        host_pointers[:, slot] = torch.tensor([a_at, b_at], dtype=torch.int64).t()
+        host_ranks[:, slot] = torch.tensor(ranks, dtype=torch.int32)
+        host_scales[:, slot] = torch.tensor(scales, dtype=torch.float32)
         for device_table, host_table in zip((self.pointers, self.ranks, self.scales), self._host):
             device_table.copy_(host_table)
-        self.targeted = frozenset(name for name, i in self.index.items() if bool(ranks[i].any()))
+        targeted = (host_ranks != 0).any(dim=1).tolist()
+        self.targeted = frozenset(name for name, i in self.index.items() if targeted[i])
 
     def layer(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One layer's tables: pointers [S, 2], ranks [S], scales [S] (views of the device tables)."""
