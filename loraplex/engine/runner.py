@@ -7,6 +7,7 @@ per-request state every step, so a request that finishes simply stops being sche
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -127,9 +128,10 @@ def _slot_order(item: ScheduledRequest) -> int:
 
 
 def fused_projections_wanted(device: torch.device) -> bool:
-    """Sibling projections (q/k/v, gate/up) in one product on CUDA (layers/projections.py). The CPU keeps one
-    product each: its results stay bit for bit those of the parity tests."""
-    return device.type == "cuda"
+    """Sibling projections (q/k/v, gate/up) in one product on CUDA (layers/projections.py), unless
+    LORAPLEX_FUSE_PROJECTIONS=0. The CPU keeps one product each: its results stay bit for bit those of the parity
+    tests."""
+    return device.type == "cuda" and os.environ.get("LORAPLEX_FUSE_PROJECTIONS", "1") != "0"
 
 
 class ModelRunner:
