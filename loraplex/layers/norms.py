@@ -24,3 +24,13 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of residual + x, residual + x): in a CUDA graph one kernel instead of two."""
+        if (fused_kernels_wanted(x.device) and x.dim() == 2 and x.shape == residual.shape
+                and x.dtype == residual.dtype == self.weight.dtype and x.stride(-1) == residual.stride(-1) == 1):
+            from loraplex.layers.kernels.elementwise import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        summed = residual + x
+        return self.forward(summed), summed

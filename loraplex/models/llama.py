@@ -70,8 +70,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        normed, x = self.post_attention_layernorm.add_and_norm(self.self_attn(rope, self.input_layernorm(x)), x)
+        return x + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

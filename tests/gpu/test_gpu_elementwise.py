@@ -8,7 +8,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     pytest.fail("tests/gpu needs a CUDA device", pytrace=False)
 
-from loraplex.layers.kernels.elementwise import rms_norm, rotary, silu_and_mul  # noqa: E402
+from loraplex.layers.kernels.elementwise import add_rms_norm, rms_norm, rotary, silu_and_mul  # noqa: E402
 from loraplex.layers.norms import RMSNorm  # noqa: E402
 from loraplex.layers import rotary as rotary_module  # noqa: E402
 
@@ -38,6 +38,27 @@ def test_rms_norm(dtype, shape):
         captured = norm(x)
     graph.replay()
     torch.testing.assert_close(captured, got, atol=0, rtol=0)  # captured: the kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 4096), (37, 576)])
+def test_add_rms_norm(dtype, shape):
+    x, residual = (torch.randn(shape, device=DEVICE).to(dtype) * 3 for _ in range(2))
+    weight = torch.randn(shape[-1], device=DEVICE).to(dtype)
+    normed, summed = add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(summed, residual + x, atol=0, rtol=0)  # rounded as the torch sum rounds
+    torch.testing.assert_close(normed, reference_rms_norm(residual + x, weight, 1e-5), **TOLERANCE[dtype])
+    norm = RMSNorm(shape[-1], 1e-5).to(DEVICE, dtype)
+    norm.weight.data.copy_(weight)
+    eager = norm.add_and_norm(x, residual)  # the torch ops
+    torch.testing.assert_close(eager[1], summed, atol=0, rtol=0)
+    norm.add_and_norm(x, residual)  # warm-up before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = norm.add_and_norm(x, residual)
+    graph.replay()
+    torch.testing.assert_close(captured[0], normed, atol=0, rtol=0)  # captured: the kernel
+    torch.testing.assert_close(captured[1], summed, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -1,7 +1,7 @@
 """Fused elementwise kernels for CUDA: each does in one launch what its torch reference does in several, with the
 same rounding steps (values are rounded to the tensor's dtype wherever the reference rounds them), so a decode
 step launches a few kernels per layer instead of dozens. Layers take them while a CUDA graph is captured
-(`fused_kernels_wanted`); eager steps keep the torch ops, whose launches cost the host less. The references: `RMSNorm.forward` (layers/norms.py),
+(`fused_kernels_wanted`); eager steps keep the torch ops, whose launches cost the host less. The references: `RMSNorm.forward` and `RMSNorm.add_and_norm` (layers/norms.py),
 `apply_rotary` (layers/rotary.py), `silu(gate) * up` (layers/activation.py); tests/gpu/test_gpu_elementwise.py.
 """
 
@@ -33,6 +33,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.shape[1], eps, rows.stride(0), out.stride(0),
                                        BLOCK=triton.next_power_of_2(rows.shape[1]))
     return out.view(x.shape)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, sum_ptr, out_ptr, size, eps, stride_x, stride_r,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < size
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    residual = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0)
+    summed = (residual.to(tl.float32) + x.to(tl.float32)).to(x.dtype)  # rounded as `residual + x` rounds
+    tl.store(sum_ptr + row * size + cols, summed, mask=ok)
+    s32 = summed.to(tl.float32)
+    normed = (s32 * libdevice.rsqrt(tl.sum(s32 * s32, axis=0) / size + eps)).to(x.dtype)
+    weight = tl.load(weight_ptr + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + row * size + cols, (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=ok)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x) for x and residual [T, size] of one dtype, in one pass."""
+    assert x.dim() == residual.dim() == 2 and x.shape == residual.shape and x.dtype == residual.dtype == weight.dtype
+    assert x.stride(1) == residual.stride(1) == 1
+    summed, out = torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(x, memory_format=torch.contiguous_format)
+    _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, summed, out, x.shape[1], eps, x.stride(0),
+                                        residual.stride(0), BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out, summed
 
 
 @triton.jit
