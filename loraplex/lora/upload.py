@@ -36,6 +36,14 @@ def layout(modules: Mapping[str, LoraWeights]) -> tuple[dict[str, tuple[int, int
     return offsets, end
 
 
+def _placed(buffer: torch.Tensor, offsets: tuple[int, int], w: LoraWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where `w`'s A [r, in] and B.T [r, out] lie in `buffer`, given their offsets."""
+    a_at, b_at = offsets
+    a = buffer[a_at : a_at + w.a.numel()].view(w.rank, w.a.shape[1])
+    b_t = buffer[b_at : b_at + w.b.numel()].view(w.rank, w.b.shape[0])
+    return a, b_t
+
+
 class AdapterUploader:
     """Copies adapters to `device` in `dtype`, one buffer each. Owns the host staging buffer, reused across
     uploads (the next upload waits for the previous copy out of it to finish)."""
@@ -51,23 +59,21 @@ class AdapterUploader:
         """The weights of `modules` on the device: views of one fresh allocation, laid out for the kernels."""
         offsets, length = layout(modules)
         buffer = torch.empty(length, dtype=self.dtype, device=self.device)
-        staging = self._staging_of(length) if self._staged else buffer
+        # Weights already on a GPU (a benchmark's, built there) are laid out there: no round trip through the host.
+        staged = self._staged and any(t.is_cpu for w in modules.values() for t in (w.a, w.b))
+        staging = self._staging_of(length) if staged else buffer
         for name, w in modules.items():
-            a_at, b_at = offsets[name]
-            rank, in_features, out_features = w.rank, w.a.shape[1], w.b.shape[0]
-            staging[a_at : a_at + rank * in_features].view(rank, in_features).copy_(w.a)
-            staging[b_at : b_at + rank * out_features].view(rank, out_features).copy_(w.b.t())
-        if self._staged:
+            a, b_t = _placed(staging, offsets[name], w)
+            a.copy_(w.a)
+            b_t.copy_(w.b.t())
+        if staged:
             buffer.copy_(staging[:length], non_blocking=self._pinned)
-        if self._pinned:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            if self._pinned:
+                self._copied = torch.cuda.Event()
+                self._copied.record()
         uploaded = {}
         for name, w in modules.items():
-            a_at, b_at = offsets[name]
-            rank, in_features, out_features = w.rank, w.a.shape[1], w.b.shape[0]
-            a = buffer[a_at : a_at + rank * in_features].view(rank, in_features)
-            b_t = buffer[b_at : b_at + rank * out_features].view(rank, out_features)
+            a, b_t = _placed(buffer, offsets[name], w)
             uploaded[name] = LoraWeights(a, b_t.t(), w.scale)
         return uploaded
 
