@@ -30,7 +30,8 @@ def project(owner: nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> tuple[
     """`x` through `owner`'s linears `names`: one product where they are fused, else one each."""
     linears = [getattr(owner, name) for name in names]
     fused = owner.__dict__.get("fused_projections", {}).get(names)
-    if fused is None:
+    # Stale when the module's parameters were replaced since (`model.to(...)` copies each on its own).
+    if fused is None or getattr(linears[0], "base", linears[0]).weight.data_ptr() != fused.weight.data_ptr():
         return tuple(linear(x) for linear in linears)
     outputs = F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
     return tuple(

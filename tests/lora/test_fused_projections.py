@@ -37,6 +37,10 @@ def test_siblings_become_views_of_one_weight_once(tiny):
     x = torch.randn(3, before[0].shape[1])
     for got, weight in zip(project(attention, x, ("q_proj", "k_proj", "v_proj")), before):
         torch.testing.assert_close(got, x @ weight.t())
+    model.double()  # replaces every parameter: the concatenation is stale, each sibling computes on its own
+    for got, weight in zip(project(attention, x.double(), ("q_proj", "k_proj", "v_proj")), before):
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, x.double() @ weight.double().t())
 
 
 class Int8Like(nn.Linear):
