@@ -77,8 +77,8 @@ def test_greedy_tokens_with_adapters_on_fused_projections_equal_unfused(tiny, mo
     def tokens(model, fused: bool):
         monkeypatch.setattr(runner_module, "fused_projections_wanted", lambda device: fused)
         engine = engine_for(model, config, max_active_adapters=3)
-        return [engine.generate([p], params, adapters=[a] if a else None)[0].token_ids for p, a in zip(prompts, chosen)], \
-            [o.token_ids for o in engine.generate(prompts, params, adapters=chosen)]
+        solo = [engine.generate([p], params, adapters=[a] if a else None)[0].token_ids for p, a in zip(prompts, chosen)]
+        return solo, [o.token_ids for o in engine.generate(prompts, params, adapters=chosen)]
 
     unfused_solo, unfused_batch = tokens(copy.deepcopy(model), fused=False)
     fused_model = copy.deepcopy(model)

@@ -51,11 +51,14 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, sum_ptr, out_ptr, size
     tl.store(out_ptr + row * size + cols, (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=ok)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x) for x and residual [T, size] of one dtype, in one pass."""
     assert x.dim() == residual.dim() == 2 and x.shape == residual.shape and x.dtype == residual.dtype == weight.dtype
     assert x.stride(1) == residual.stride(1) == 1
-    summed, out = torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(x, memory_format=torch.contiguous_format)
+    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, summed, out, x.shape[1], eps, x.stride(0),
                                         residual.stride(0), BLOCK=triton.next_power_of_2(x.shape[1]))
     return out, summed

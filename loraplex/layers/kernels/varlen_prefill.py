@@ -27,10 +27,9 @@ def causal_varlen(
     """q [T, H, D], k and v [T, Hkv, D]: sequence i owns rows cu_seqlens[i]:cu_seqlens[i + 1] (int32, on the
     device) and attends causally within itself (to at most the last `sliding_window` keys) -> [T, H, D]."""
     window = {} if sliding_window is None else {"window_size_left": sliding_window - 1, "window_size_right": 0}
-    out = torch.ops.aten._flash_attention_forward(
+    return torch.ops.aten._flash_attention_forward(
         q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False, scale=scale, **window
     )[0]
-    return out
 
 
 def varlen_usable(q: torch.Tensor, num_kv_heads: int) -> bool:
