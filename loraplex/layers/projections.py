@@ -34,6 +34,8 @@ def project(owner: nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> tuple[
     if fused is None or getattr(linears[0], "base", linears[0]).weight.data_ptr() != fused.weight.data_ptr():
         return tuple(linear(x) for linear in linears)
     outputs = F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
+    if all(type(linear) is type(linears[0]) for linear in linears) and hasattr(linears[0], "add_siblings_to"):
+        return linears[0].add_siblings_to(linears, outputs, x)  # LoRA deltas, all siblings' at once where it can
     return tuple(
         linear.add_to(out, x) if hasattr(linear, "add_to") else out for linear, out in zip(linears, outputs)
     )

@@ -88,6 +88,25 @@ class LoraLinear(nn.Module):
             return out + delta.to(out.dtype)
         return self._add(out, x, rows)
 
+    @staticmethod
+    def add_siblings_to(layers: Sequence["LoraLinear"], outs: Sequence[torch.Tensor], x: torch.Tensor) -> tuple:
+        """`add_to` for sibling layers that share the input `x` and whose outputs `outs` are column slices of one
+        fused product (`layers.projections.project`): where the step takes the per-row kernels for all of them,
+        their deltas come in one pair of launches instead of a pair each."""
+        rows = current_lora_rows()
+        kind = layers[0].row_kind
+        per_row = rows.row_slots.get(kind) if rows is not None else None
+        if (per_row is None or rows.segments(kind) or any(l.row_kind != kind for l in layers)
+                or any(o.dtype != x.dtype for o in outs) or (rows.dtype is not None and x.dtype != rows.dtype)):
+            return tuple(layer.add_to(out, x) for layer, out in zip(layers, outs))
+        targeted = [(layer.name, out) for layer, out in zip(layers, outs) if layer.name in per_row.layers]
+        if targeted:
+            from loraplex.lora.kernels.bgmv import add_lora_rows_siblings  # Triton: CUDA only
+
+            names, targeted_outs = zip(*targeted)
+            add_lora_rows_siblings(targeted_outs, x, per_row.slots, per_row.tables, names, per_row.max_rank)
+        return tuple(outs)
+
     def _add(self, out: torch.Tensor, x: torch.Tensor, rows) -> torch.Tensor:
         """`out` plus, row by row, the delta of the row's own adapter (in place)."""
         per_row = rows.row_slots.get(self.row_kind)

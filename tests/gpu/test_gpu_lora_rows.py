@@ -11,7 +11,7 @@ from loraplex.lora.kernels import SlotPointers, add_lora_rows_reference
 if not torch.cuda.is_available():
     pytest.fail("tests/gpu needs a CUDA device", pytrace=False)
 
-from loraplex.lora.kernels.bgmv import add_lora_rows  # noqa: E402  (Triton: CUDA only)
+from loraplex.lora.kernels.bgmv import add_lora_rows, add_lora_rows_siblings  # noqa: E402  (Triton: CUDA only)
 
 DEVICE = torch.device("cuda")
 RANKS = [8, 16, 64, 1, None, 32]  # None: the slot's adapter does not target the layer
@@ -86,3 +86,33 @@ def test_reinstalling_a_slot_changes_what_the_next_call_reads():
     got = add_lora_rows(base.clone(), x, slots, tables, "layer", max_rank=32)
     expected = add_lora_rows_reference(base.clone(), x, [0, 1], [replacement, weights[1]])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 9, 64])
+def test_siblings_in_one_launch_equal_one_launch_each(dtype, rows):
+    """q/k/v-like siblings (one input, outputs side by side in one product): the same values, bit for bit, as a
+    launch per layer, with mixed ranks and slots whose adapter targets only some of them."""
+    in_features, widths, names = 512, [256, 64, 64], ["q", "k", "v"]
+    ranks = {"q": [8, 16, 64, 4], "k": [8, None, 64, 4], "v": [8, 16, None, None]}
+    weights = {n: slot_weights(in_features, w, dtype, seed=i, ranks=ranks[n])
+               for i, (n, w) in enumerate(zip(names, widths))}
+    tables = SlotPointers(names, 4, DEVICE)
+    for slot in range(4):
+        tables.set_slot(slot, {n: weights[n][slot] for n in names})
+    row_slots = torch.tensor([(3 * i + 1) % 5 - 1 for i in range(rows)], device=DEVICE)  # -1 and every slot
+    x = torch.randn(rows, in_features, device=DEVICE).to(dtype)
+    start = torch.randn(rows, sum(widths), device=DEVICE).to(dtype)
+    one_each, fused = start.clone(), start.clone()
+    for name, out in zip(names, one_each.split(widths, dim=-1)):
+        add_lora_rows(out, x, row_slots, tables, name, max_rank=64)
+    add_lora_rows_siblings(fused.split(widths, dim=-1), x, row_slots, tables, names, max_rank=64)
+    assert torch.equal(fused, one_each)
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
+    for name, got, before in zip(names, fused.split(widths, dim=-1), start.split(widths, dim=-1)):
+        expected = add_lora_rows_reference(before.float().clone(), x.float(), row_slots.tolist(),
+                                           [None if w is None else w.to(DEVICE, torch.float32) for w in weights[name]])
+        torch.testing.assert_close(got.float(), expected, **tolerance)
+    adapted = row_slots >= 0  # every slot's adapter targets q
+    assert adapted.any() and not torch.equal(fused[adapted, :256], start[adapted, :256])
+    assert torch.equal(fused[~adapted], start[~adapted])

@@ -2,15 +2,19 @@
 B, found through `SlotPointers`' tables, so one launch serves rows of any mix of adapters and ranks, and a CUDA
 graph that captured it reads whatever adapter a slot holds at replay.
 
-Two kernels. Shrink: one program per (row, split of the input features) sums its part of x[i] @ A.T in float32
-(splits keep a few rows' shrink spread over the GPU; each split writes its own partial, so the sum's order is
-fixed: no atomics, the same result every run). Expand: one program per (row, block of output features) adds
-the partials and multiplies by that block of B, adding the scaled result to `out` in place. A row whose slot is
--1, or whose slot's rank for this layer is 0, returns at once: its output is never written, so nothing of any
-adapter reaches it. `rows.add_lora_rows_reference` is the reference (tests/gpu/test_gpu_lora_rows.py).
+Two kernels, each launched once for up to three sibling layers that share their input (q/k/v, gate/up: the
+slices of one fused product, `layers/projections.py`); a program picks its layer from its program id. Shrink:
+one program per (row, split of the input features, layer) sums its part of x[i] @ A.T in float32 (splits keep a
+few rows' shrink spread over the GPU; each split writes its own partial, so the sum's order is fixed: no atomics,
+the same result every run). Expand: one program per (row, block of one layer's output features) adds the
+partials and multiplies by that block of B, adding the scaled result to `out` in place. A row whose slot is -1,
+or whose slot's rank for the layer is 0, returns at once: its output is never written, so nothing of any adapter
+reaches it. `rows.add_lora_rows_reference` is the reference (tests/gpu/test_gpu_lora_rows.py).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import triton
@@ -18,25 +22,40 @@ import triton.language as tl
 
 from loraplex.lora.kernels.rows import SlotPointers
 
-BLOCK_K = 256  # input features per shrink iteration
+# Launch shapes from a sweep on the H200 at Llama-8B's shapes (64 rows over 64 adapters and 32 over 8): the
+# kernels are short, so many small programs (eight per SM for the shrink) beat a few long ones.
+BLOCK_K = 128  # input features per shrink iteration
+SHRINK_WARPS = 8
 BLOCK_N = 128  # output features per expand program
-TARGET_PROGRAMS = 264  # two per SM of the H200: enough shrink splits that one row keeps the GPU reading
+EXPAND_WARPS = 1
+TARGET_PROGRAMS = 1056  # shrink programs wanted: enough splits of the input that even one row keeps the GPU reading
+MAX_SIBLINGS = 3
+
+# Layer indices and offsets vary from call to call: compiled once, not once per divisibility of each value.
+_PER_CALL = ["layer0", "layer1", "layer2", "off0", "off1", "off2", "blocks0", "blocks01"]
 
 
 @triton.jit
+def _pick(g, first, second, third):
+    return tl.where(g == 0, first, tl.where(g == 1, second, third))
+
+
+@triton.jit(do_not_specialize=_PER_CALL[:3])
 def _shrink_kernel(x_ptr, row_slots_ptr, pointers_ptr, ranks_ptr, partial_ptr, in_features, per_split, stride_x,
-                   RANK_P: tl.constexpr, BLOCK: tl.constexpr):
+                   num_slots, layer0, layer1, layer2, RANK_P: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
+    g = tl.program_id(2)
     slot = tl.load(row_slots_ptr + row)
     if slot < 0:
         return
-    rank = tl.load(ranks_ptr + slot)
+    entry = _pick(g, layer0, layer1, layer2).to(tl.int64) * num_slots + slot
+    rank = tl.load(ranks_ptr + entry)
     if rank == 0:
         return
     # A [rank, in], row-major. Its address comes from memory: say it is aligned (SlotPointers checks), or every
     # load would be split into single elements.
-    a_ptr = tl.multiple_of(tl.load(pointers_ptr + slot * 2).to(x_ptr.dtype), 16)
+    a_ptr = tl.multiple_of(tl.load(pointers_ptr + entry * 2).to(x_ptr.dtype), 16)
     ranks = tl.arange(0, RANK_P)
     rank_ok = ranks < rank
     acc = tl.zeros([RANK_P], tl.float32)
@@ -49,49 +68,74 @@ def _shrink_kernel(x_ptr, row_slots_ptr, pointers_ptr, ranks_ptr, partial_ptr, i
         a = tl.load(a_ptr + ranks[:, None] * in_features + cols[None, :], mask=rank_ok[:, None] & col_ok[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.sum(a * x[None, :], axis=1)
-    tl.store(partial_ptr + (row * tl.num_programs(1) + split) * RANK_P + ranks, acc)
+    part = (g * tl.num_programs(0) + row) * tl.num_programs(1) + split
+    tl.store(partial_ptr + part * RANK_P + ranks, acc)
 
 
-@triton.jit
-def _expand_kernel(out_ptr, row_slots_ptr, pointers_ptr, ranks_ptr, scales_ptr, partial_ptr, out_features, stride_o,
+@triton.jit(do_not_specialize=_PER_CALL)
+def _expand_kernel(out_ptr, row_slots_ptr, pointers_ptr, ranks_ptr, scales_ptr, partial_ptr, stride_o, num_slots,
+                   layer0, layer1, layer2, n0, n1, n2, off0, off1, off2, blocks0, blocks01,
                    SPLITS: tl.constexpr, RANK_P: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
+    block = tl.program_id(1)
     slot = tl.load(row_slots_ptr + row)
     if slot < 0:
         return
-    rank = tl.load(ranks_ptr + slot)
+    g = (block >= blocks0).to(tl.int32) + (block >= blocks01).to(tl.int32)  # this block's layer
+    entry = _pick(g, layer0, layer1, layer2).to(tl.int64) * num_slots + slot
+    rank = tl.load(ranks_ptr + entry)
     if rank == 0:
         return
-    b_ptr = tl.multiple_of(tl.load(pointers_ptr + slot * 2 + 1).to(out_ptr.dtype), 16)  # B.T [rank, out], row-major
+    out_features = _pick(g, n0, n1, n2)
+    b_ptr = tl.multiple_of(tl.load(pointers_ptr + entry * 2 + 1).to(out_ptr.dtype), 16)  # B.T [rank, out], row-major
     ranks = tl.arange(0, RANK_P)
     rank_ok = ranks < rank
     shrunk = tl.zeros([RANK_P], tl.float32)
+    first = (g * tl.num_programs(0) + row) * SPLITS
     for split in range(SPLITS):
-        shrunk += tl.load(partial_ptr + (row * SPLITS + split) * RANK_P + ranks)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        shrunk += tl.load(partial_ptr + (first + split) * RANK_P + ranks)
+    cols = (block - _pick(g, 0, blocks0, blocks01)) * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < out_features
     b = tl.load(b_ptr + ranks[:, None] * out_features + cols[None, :], mask=rank_ok[:, None] & col_ok[None, :],
                 other=0.0).to(tl.float32)
-    delta = tl.sum(b * shrunk[:, None], axis=0) * tl.load(scales_ptr + slot)
-    out = tl.load(out_ptr + row * stride_o + cols, mask=col_ok, other=0.0)
-    tl.store(out_ptr + row * stride_o + cols, (out.to(tl.float32) + delta).to(out.dtype), mask=col_ok)
+    delta = tl.sum(b * shrunk[:, None], axis=0) * tl.load(scales_ptr + entry)
+    at = out_ptr + row * stride_o + _pick(g, off0, off1, off2) + cols
+    out = tl.load(at, mask=col_ok, other=0.0)
+    tl.store(at, (out.to(tl.float32) + delta).to(out.dtype), mask=col_ok)
 
 
 def add_lora_rows(out: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, tables: SlotPointers, name: str,
                   max_rank: int) -> torch.Tensor:
-    """out [T, out] += each row's own delta; x [T, in] in the weights' dtype; row_slots [T] int32 (-1: none)."""
+    """out [T, out] += each row's own delta; x [T, in] in the weights' dtype; row_slots [T] (-1: none)."""
+    add_lora_rows_siblings([out], x, row_slots, tables, [name], max_rank)
+    return out
+
+
+def add_lora_rows_siblings(outs: Sequence[torch.Tensor], x: torch.Tensor, row_slots: torch.Tensor,
+                           tables: SlotPointers, names: Sequence[str], max_rank: int) -> None:
+    """outs[g] += each row's delta of layer names[g], for up to three layers that share the input x [T, in]; the
+    outputs are column slices of one tensor [T, *] (one fused product's; a single output is its own)."""
+    assert 1 <= len(outs) == len(names) <= MAX_SIBLINGS
     rows, in_features = x.shape
-    out_features = out.shape[1]
-    assert x.stride(1) == 1 and out.stride(1) == 1 and x.dtype == out.dtype
-    pointers, ranks, scales = tables.layer(name)
+    base = min(outs, key=lambda o: o.data_ptr())
+    offsets = [(o.data_ptr() - base.data_ptr()) // o.element_size() for o in outs]
+    assert x.stride(1) == 1 and all(o.stride(1) == 1 and o.stride(0) == base.stride(0) and o.dtype == x.dtype
+                                    and o.shape[0] == rows for o in outs)
+    assert all(off < base.stride(0) for off in offsets), "the outputs must be column slices of one tensor"
+    pad = MAX_SIBLINGS - len(outs)
+    layers = [tables.index[name] for name in names] + [0] * pad
+    widths = [o.shape[1] for o in outs] + [0] * pad
+    blocks = [triton.cdiv(w, BLOCK_N) for w in widths]
     rank_p = max(16, triton.next_power_of_2(max_rank))
     splits = max(1, min(-(-TARGET_PROGRAMS // max(rows, 1)), -(-in_features // BLOCK_K)))
     per_split = -(-in_features // splits // BLOCK_K) * BLOCK_K
     splits = -(-in_features // per_split)
-    partial = torch.empty(rows, splits, rank_p, dtype=torch.float32, device=x.device)
-    _shrink_kernel[(rows, splits)](x, row_slots, pointers, ranks, partial, in_features, per_split, x.stride(0),
-                                   RANK_P=rank_p, BLOCK=BLOCK_K)
-    _expand_kernel[(rows, triton.cdiv(out_features, BLOCK_N))](
-        out, row_slots, pointers, ranks, scales, partial, out_features, out.stride(0),
-        SPLITS=splits, RANK_P=rank_p, BLOCK=BLOCK_N)
-    return out
+    partial = torch.empty(len(outs), rows, splits, rank_p, dtype=torch.float32, device=x.device)
+    num_slots = tables.num_slots
+    _shrink_kernel[(rows, splits, len(outs))](
+        x, row_slots, tables.pointers, tables.ranks, partial, in_features, per_split, x.stride(0), num_slots, *layers,
+        RANK_P=rank_p, BLOCK=BLOCK_K, num_warps=SHRINK_WARPS)
+    _expand_kernel[(rows, sum(blocks))](
+        base, row_slots, tables.pointers, tables.ranks, tables.scales, partial, base.stride(0), num_slots, *layers,
+        *widths, *(offsets + [0] * pad), blocks[0], blocks[0] + blocks[1],
+        SPLITS=splits, RANK_P=rank_p, BLOCK=BLOCK_N, num_warps=EXPAND_WARPS)
