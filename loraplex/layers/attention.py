@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.layers.forward_context import AttentionMetadata, get_forward_context
+from loraplex.layers.kernels import fused_kernels_wanted
 
 
 class AttentionBackend(Protocol):
@@ -128,15 +129,23 @@ class TorchAttentionBackend:
 
     def forward(self, layer, q, k, v, kv_cache, md):
         key_cache, value_cache = kv_cache
-        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v)
+        self._write_kv(key_cache, value_cache, md.slot_mapping, k, v)
 
+        groups = md.decode_groups
+        if len(groups) == 1 and groups[0].in_order and not md.prefill_seqs:  # every row decodes, in order
+            return self._decode(layer, q, key_cache, value_cache, md, 0)  # (a CUDA graph's step): no gather
         out = torch.empty_like(q)
-        for g, group in enumerate(md.decode_groups):
+        for g, group in enumerate(groups):
             out[group.rows] = self._decode(layer, q[group.rows], key_cache, value_cache, md, g)
         self._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, md.prefill_seqs, out)
         return out
+
+    @staticmethod
+    def _write_kv(key_cache, value_cache, slots, k, v) -> None:
+        """Row i of k and v into the caches' flat slot slots[i]."""
+        num_kv_heads, head_dim = key_cache.shape[2:]
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
     def _prefill_seqs(self, layer, q, k, v, key_cache, value_cache, md, seqs, out) -> None:
         """Attention for the rows of `seqs` (prompts, chunks, resumed requests), written into `out`."""
@@ -240,7 +249,7 @@ class TorchAttentionBackend:
             bias = bias.permute(0, 2, 1).reshape(batch, layer.num_kv_heads, -1, max_len)
             mask = _biased_mask(bias, mask, q.dtype)
         out = F.scaled_dot_product_attention(
-            q.view(batch, layer.num_kv_heads, -1, layer.head_dim),
+            q.reshape(batch, layer.num_kv_heads, -1, layer.head_dim),
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=mask,
@@ -293,6 +302,14 @@ class TritonAttentionBackend(TorchAttentionBackend):
     launch per layer (`layers/kernels/varlen_prefill.py`). Resumed prompts, score biases, encoder and
     cross-attention, and decode under T5's relative position bias are the torch reference's."""
 
+    @staticmethod
+    def _write_kv(key_cache, value_cache, slots, k, v) -> None:
+        if fused_kernels_wanted(k.device) and k.stride(-1) == v.stride(-1) == 1:  # in a CUDA graph: one launch
+            from loraplex.layers.kernels.kv_write import write_kv
+
+            return write_kv(key_cache, value_cache, slots, k, v)
+        TorchAttentionBackend._write_kv(key_cache, value_cache, slots, k, v)
+
     def _prefill_seqs(self, layer, q, k, v, key_cache, value_cache, md, seqs, out) -> None:
         """Fresh prompts (nothing cached before them) in one variable-length launch where the kernel runs and the
         layer adds no score bias; the others as the reference does."""
@@ -320,7 +337,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
         group = md.decode_groups[g]
         slopes = layer.alibi_on(q.device) if layer.alibi_slopes is not None else None
         tables = md.block_tables if group.in_order else md.block_tables[group.seqs]
-        return paged_decode(q.contiguous(), key_cache, value_cache, tables, group.seq_lens,
+        return paged_decode(q, key_cache, value_cache, tables, group.seq_lens,
                             layer.scale, layer.sliding_window, slopes, group.max_len)
 
 

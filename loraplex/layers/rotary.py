@@ -66,5 +66,15 @@ def apply_rotary(
     if fused_kernels_wanted(q.device) and q.stride(-1) == 1 and k.stride(-1) == 1:
         from loraplex.layers.kernels.elementwise import rotary
 
+        heads = q.shape[1]
+        if _adjacent_heads(q, k):  # q's and k's heads side by side in one fused projection: one launch for both
+            both = rotary(q.as_strided((q.shape[0], heads + k.shape[1], q.shape[2]), q.stride()), cos, sin)
+            return both[:, :heads], both[:, heads:]
         return rotary(q, cos, sin), rotary(k, cos, sin)  # one kernel each, the same rounding as below
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether k's heads follow q's in memory with the same strides, as in one [T, H + Hkv, D] tensor."""
+    return (q.stride() == k.stride() and q.stride(1) == q.shape[2] and q.shape[0] == k.shape[0]
+            and q.shape[2] == k.shape[2] and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size())

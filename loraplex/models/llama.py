@@ -70,8 +70,21 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        normed, x = self.post_attention_layernorm.add_and_norm(self.self_attn(rope, self.input_layernorm(x)), x)
-        return x + self.mlp(normed)
+        x, output = self.residual_step(rope, x, None)
+        return x + output
+
+    def residual_step(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, pending: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer on the residual stream `x`, its output not yet added: (stream, output). `pending`, the
+        layer before's output not yet added, is added here by the input norm (in a CUDA graph, one kernel for
+        the add and the norm)."""
+        if pending is None:
+            normed = self.input_layernorm(x)
+        else:
+            normed, x = self.input_layernorm.add_and_norm(pending, x)
+        normed, x = self.post_attention_layernorm.add_and_norm(self.self_attn(rope, normed), x)
+        return x, self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
@@ -88,9 +101,10 @@ class LlamaModel(nn.Module):
         # `inputs_embeds` [T, hidden]: rows already embedded (image features in placeholder rows).
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary(positions, x.dtype)
+        output = None
         for layer in self.layers:
-            x = layer(rope, x)
-        return self.norm(x)
+            x, output = layer.residual_step(rope, x, output)
+        return self.norm.add_and_norm(output, x)[0] if output is not None else self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):

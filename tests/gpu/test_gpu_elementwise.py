@@ -86,3 +86,43 @@ def test_rotary(dtype, heads, dim):
     x = torch.randn(rows, heads * dim, device=DEVICE).to(dtype).view(rows, heads, dim)
     expected = x * cos + rotary_module._rotate_half(x) * sin
     torch.testing.assert_close(rotary(x, cos, sin), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rotary_of_q_and_k_side_by_side_in_a_fused_product_is_one_launch_with_the_same_values(dtype, monkeypatch):
+    from loraplex.config import RopeConfig
+
+    rows, heads, kv_heads, dim = 7, 8, 2, 64
+    embedding = rotary_module.RotaryEmbedding(RopeConfig(theta=10000.0), dim)
+    cos, sin = embedding(torch.arange(300, 300 + rows, device=DEVICE), dtype)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device=DEVICE).to(dtype)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(rows, heads, dim), k.view(rows, kv_heads, dim)
+    assert rotary_module._adjacent_heads(q, k) and not rotary_module._adjacent_heads(k, q)
+    launches = []
+    monkeypatch.setattr(rotary_module, "fused_kernels_wanted", lambda device: True)
+    import loraplex.layers.kernels.elementwise as elementwise
+
+    real = elementwise.rotary
+    monkeypatch.setattr(elementwise, "rotary", lambda x, c, s: launches.append(x.shape) or real(x, c, s))
+    rotated_q, rotated_k = rotary_module.apply_rotary(q, k, (cos, sin))
+    assert launches == [(rows, heads + kv_heads, dim)]
+    torch.testing.assert_close(rotated_q, q * cos + rotary_module._rotate_half(q) * sin, **TOLERANCE[dtype])
+    torch.testing.assert_close(rotated_k, k * cos + rotary_module._rotate_half(k) * sin, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kv_heads,dim", [(8, 128), (3, 80)])
+def test_write_kv_equals_the_references_index_copies(dtype, kv_heads, dim):
+    from loraplex.layers.attention import TorchAttentionBackend
+    from loraplex.layers.kernels.kv_write import write_kv
+
+    blocks, block_size, rows = 6, 16, 5
+    caches = [torch.randn(blocks, block_size, kv_heads, dim, device=DEVICE).to(dtype) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    qkv = torch.randn(rows, 3 * kv_heads * dim, device=DEVICE).to(dtype)  # k and v strided views, as in a fused product
+    k, v = (t.view(rows, kv_heads, dim) for t in qkv.split(kv_heads * dim, dim=-1)[1:])
+    slots = torch.tensor([3, 17, 40, 95, 64], device=DEVICE)
+    write_kv(*caches, slots, k, v)
+    TorchAttentionBackend._write_kv(*expected, slots, k, v)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
