@@ -50,9 +50,12 @@ def main() -> None:
         device="cuda", max_batch_total_tokens=64 * 1200, max_num_seqs=64, max_input_length=1024, max_total_tokens=1200,
         max_active_adapters=64, max_lora_rank=16, prefix_caching=False, cuda_graphs=graphs)) for graphs in (True, False)}
     adapters = [random_adapter(f"a{i}", engines[True].lora.base_shapes, AdapterSpec(), 16, i) for i in range(64)]
-    for engine in engines.values():  # warm-up: captures, kernel compiles
+    # Warm-up: captures, kernel compiles. As long as the timed runs: a short one can finish its requests while
+    # others are still prefilled (mixed steps), never reaching the full batch's bucket, whose capture would then
+    # land in the timed run.
+    for engine in engines.values():
         for case in CASES:
-            decode_ms_per_step(engine, adapters, *case, new_tokens=4)
+            decode_ms_per_step(engine, adapters, *case, new_tokens=args.new_tokens)
     print(f"{loaded.model_id}, load average {os.getloadavg()[0]:.1f}")
     for rows, distinct, prompt_len in CASES:
         ms = {g: decode_ms_per_step(e, adapters, rows, distinct, prompt_len, args.new_tokens) for g, e in engines.items()}

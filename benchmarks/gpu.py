@@ -1,12 +1,14 @@
 """GPU benchmark (issue 13, item 5): loraplex as it is today, on random-weight models of real shapes, against
 transformers and PEFT on the same weights, and against the memory-bandwidth roofline. `python -m benchmarks.gpu`.
 
-Workloads (`--workloads`, comma-separated; default all four):
+Workloads (`--workloads`, comma-separated; default all five):
 
 - `135m`: SmolLM2-135M's shape, 64 requests x 256 prompt / 128 new tokens, round-robin over 8 adapters;
 - `8b`: Llama-3.1-8B's shape (vocabulary cut to 49,152), 32 requests x 256 / 64, over 8 adapters;
 - `8b-single`: the 8B shape, one request, 256 / 128 (one adapter for the adapter systems); its decode rate
   against the roofline is the headline figure (target 70%);
+- `8b-64`: the 8B shape, 64 requests x 1,000 / 64 over 64 distinct adapters (about 1k context while decoding):
+  loraplex with and without adapters only (the peers would take minutes here), adapters drawn at random;
 - `online`: S-LoRA-style (benchmarks/online.py): Poisson arrivals at `--rate` req/s for `--duration` s (or
   `--requests N`), each request's adapter drawn from a power law (`--zipf-alpha`) over `--num-adapters` random
   adapters, prompt and output lengths uniform in `--prompt-lens` / `--output-lens`; loraplex only, with
@@ -58,8 +60,9 @@ from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.loading import LoadedModel
 
-WORKLOADS = ("135m", "8b", "8b-single", "online")
-ROOFLINE_TARGET = 0.70  # 8b-single: decode tokens/s as a fraction of the roofline
+WORKLOADS = ("135m", "8b", "8b-single", "8b-64", "online")
+ROOFLINE_TARGET = 0.70  # 8b-single and 8b-64: decode tokens/s as a fraction of the roofline
+ADAPTERS_VS_BASE_TARGET = 0.90  # 8b-64: decode tokens/s with 64 adapters over the same requests without
 
 
 @dataclass(frozen=True)
@@ -69,12 +72,13 @@ class Fixed:
     prompt_len: int
     new_tokens: int
     adapters: int
+    peers: bool = True  # also transformers batched and PEFT mixed (else loraplex alone, with random adapters)
 
 
 FIXED = {"135m": Fixed("135m", 64, 256, 128, 8), "8b": Fixed("8b", 32, 256, 64, 8),
-         "8b-single": Fixed("8b", 1, 256, 128, 1)}
+         "8b-single": Fixed("8b", 1, 256, 128, 1), "8b-64": Fixed("8b", 64, 1000, 64, 64, peers=False)}
 SMOKE_FIXED = {"135m": Fixed("135m", 4, 16, 6, 2), "8b": Fixed("8b", 4, 16, 6, 2),
-               "8b-single": Fixed("8b", 1, 16, 8, 1)}
+               "8b-single": Fixed("8b", 1, 16, 8, 1), "8b-64": Fixed("8b", 4, 24, 6, 4, peers=False)}
 SPEC = AdapterSpec()  # rank 16, alpha 32, all seven projections
 
 
@@ -184,7 +188,8 @@ class SystemResult:
 
 def bench_fixed(name: str, spec: Fixed, loaded: LoadedModel, peers: dict, bandwidth: roofline.Bandwidth,
                 repeats: int, seed: int) -> dict:
-    """Four systems on one fixed workload; `peers` holds this model's transformers twin and PEFT model."""
+    """Four systems on one fixed workload (two without peers); `peers` holds this model's transformers twin and
+    PEFT model."""
     device, dtype, c = loaded.device, loaded.dtype, loaded.config
     names = [f"adapter-{i}" for i in range(spec.adapters)]
     total = spec.requests * (spec.prompt_len + spec.new_tokens)
@@ -194,7 +199,10 @@ def bench_fixed(name: str, spec: Fixed, loaded: LoadedModel, peers: dict, bandwi
         max_input_length=spec.prompt_len, max_total_tokens=spec.prompt_len + spec.new_tokens,
         max_active_adapters=max(1, spec.adapters), max_lora_rank=SPEC.rank, prefix_caching=False,
     ))
-    adapters = {n: adapter_from_peft(peers["peft"], n, engine.lora.base_shapes, SPEC.rank) for n in names}
+    if spec.peers:
+        adapters = {n: adapter_from_peft(peers["peft"], n, engine.lora.base_shapes, SPEC.rank) for n in names}
+    else:
+        adapters = {n: random_adapter(n, engine.lora.base_shapes, SPEC, SPEC.rank, seed + i) for i, n in enumerate(names)}
     workload = round_robin(equal_workload(spec.requests, c.vocab_size, (c.bos_token_id, *c.eos_token_ids),
                                           spec.prompt_len, spec.new_tokens, seed=seed), names, name=name)
     base_workload = dataclasses.replace(workload, adapter_ids=None)
@@ -206,9 +214,10 @@ def bench_fixed(name: str, spec: Fixed, loaded: LoadedModel, peers: dict, bandwi
     systems = [
         (PhasedLoraplex(engine, adapters, f"loraplex, {len(names)} adapter(s)"), workload, workload),
         (PhasedLoraplex(engine, None, "loraplex, base model"), base_workload, base_workload),
-        (HFBatched(OnDevice(peers["hf"], device)), base_workload, warm),
-        (PEFTMixed(OnDevice(peers["peft"], device)), workload, warm_adapters),
     ]
+    if spec.peers:
+        systems += [(HFBatched(OnDevice(peers["hf"], device)), base_workload, warm),
+                    (PEFTMixed(OnDevice(peers["peft"], device)), workload, warm_adapters)]
     for system, _, w in systems:
         system.run(w)
     best: list[tuple[SystemResult, list[list[int]]] | None] = [None] * len(systems)
@@ -218,7 +227,7 @@ def bench_fixed(name: str, spec: Fixed, loaded: LoadedModel, peers: dict, bandwi
             print(f"  {name}: {m.system}: {m.seconds:.2f}s", file=sys.stderr, flush=True)
             if best[i] is None or m.seconds < best[i][0].measurement.seconds:
                 best[i] = (SystemResult(m, dict(getattr(system, "phases", {}))), out)
-    (ours, ours_out), (base, base_out), (hf, hf_out), (peft, peft_out) = best
+    (ours, ours_out), (base, base_out) = best[:2]
 
     context = spec.requests * roofline.average_decode_context(spec.prompt_len, spec.new_tokens)
     roof = {}
@@ -226,19 +235,20 @@ def bench_fixed(name: str, spec: Fixed, loaded: LoadedModel, peers: dict, bandwi
         step = roofline.decode_step_bytes(loaded.model, c, dtype, spec.requests, context, used)
         roof[key] = {"bytes": dataclasses.asdict(step), "tokens_per_s": roofline.roofline_tokens_per_s(
             spec.requests, step, bandwidth)}
-    rate = {k: r.measurement.tokens_per_s for k, r in zip(("adapters", "base", "hf", "peft"), (ours, base, hf, peft))}
+    keys = ("loraplex_adapters", "loraplex_base", "transformers_batched", "peft_mixed")[: len(systems)]
     result = {
         "workload": name, "description": workload.describe(), "model": loaded.model_id, "repeats": repeats,
-        "dtype": str(dtype),
-        "systems": {}, "roofline": roof,
-        "ratios": {"adapters_vs_peft": rate["adapters"] / rate["peft"],
-                   "base_vs_transformers": rate["base"] / rate["hf"],
-                   "adapters_vs_base": rate["adapters"] / rate["base"]},
-        "identical": {"base_vs_transformers": [sum(a == b for a, b in zip(base_out, hf_out)), spec.requests],
-                      "adapters_vs_peft": [sum(a == b for a, b in zip(ours_out, peft_out)), spec.requests]},
+        "dtype": str(dtype), "systems": {}, "roofline": roof,
+        "ratios": {"adapters_vs_base": ours.measurement.tokens_per_s / base.measurement.tokens_per_s},
     }
-    for key, r in (("loraplex_adapters", ours), ("loraplex_base", base), ("transformers_batched", hf),
-                   ("peft_mixed", peft)):
+    if spec.peers:
+        (hf, hf_out), (peft, peft_out) = best[2:]
+        result["ratios"] |= {"adapters_vs_peft": ours.measurement.tokens_per_s / peft.measurement.tokens_per_s,
+                             "base_vs_transformers": base.measurement.tokens_per_s / hf.measurement.tokens_per_s}
+        result["identical"] = {
+            "base_vs_transformers": [sum(a == b for a, b in zip(base_out, hf_out)), spec.requests],
+            "adapters_vs_peft": [sum(a == b for a, b in zip(ours_out, peft_out)), spec.requests]}
+    for key, (r, _) in zip(keys, best):
         entry = vars(r.measurement) | {"tokens_per_s": r.measurement.tokens_per_s} | r.phases
         decode = r.decode_tokens_per_s(spec.requests)
         if decode is not None:
@@ -266,25 +276,39 @@ def format_fixed(r: dict, bandwidth: roofline.Bandwidth) -> str:
         else:
             tail = "- | - | - | - |"
         lines.append(f"| {s['system']} | {s['seconds']:.2f} | {s['tokens_per_s']:.1f} | {tail}")
-    q, i = r["ratios"], r["identical"]
+    q = r["ratios"]
     b = r["roofline"]["adapters"]["bytes"]
+    peers = (f"loraplex+adapters / PEFT mixed = {q['adapters_vs_peft']:.2f}x; loraplex base / transformers batched "
+             f"= {q['base_vs_transformers']:.2f}x; " if "identical" in r else "")
     lines += [
         "",
-        f"ratios (output tok/s): loraplex+adapters / PEFT mixed = {q['adapters_vs_peft']:.2f}x; loraplex base / "
-        f"transformers batched = {q['base_vs_transformers']:.2f}x; loraplex+adapters / loraplex base = "
-        f"{q['adapters_vs_base']:.2f}x",
+        f"ratios (output tok/s): {peers}loraplex+adapters / loraplex base = {q['adapters_vs_base']:.2f}x",
         f"roofline: a decode step reads weights {_size(b['weights'])} + KV {_size(b['kv'])} "
         f"(average decode context) + adapters {_size(b['adapters'])} (base: no adapters) at "
         f"{bandwidth.bytes_per_s / 1e9:.0f} GB/s",
-        f"sanity: greedy tokens identical, loraplex base vs transformers {i['base_vs_transformers'][0]}/"
-        f"{i['base_vs_transformers'][1]}, loraplex+adapters vs PEFT {i['adapters_vs_peft'][0]}/"
-        f"{i['adapters_vs_peft'][1]}" + (" (bfloat16: rounding may differ)" if "bfloat16" in r["dtype"] else ""),
     ]
+    if "identical" in r:
+        i = r["identical"]
+        lines.append(
+            f"sanity: greedy tokens identical, loraplex base vs transformers {i['base_vs_transformers'][0]}/"
+            f"{i['base_vs_transformers'][1]}, loraplex+adapters vs PEFT {i['adapters_vs_peft'][0]}/"
+            f"{i['adapters_vs_peft'][1]}" + (" (bfloat16: rounding may differ)" if "bfloat16" in r["dtype"] else ""))
     if r["workload"] == "8b-single":
         frac = r["systems"]["loraplex_base"]["roofline_fraction"]
-        lines.append(f"headline: loraplex base decode at {100 * frac:.1f}% of the roofline (target "
-                     f"{100 * ROOFLINE_TARGET:.0f}%, {'met' if frac >= ROOFLINE_TARGET else 'NOT met'})")
+        lines.append(f"headline: loraplex base decode at {100 * frac:.1f}% of the roofline ({_against(frac, ROOFLINE_TARGET)})")
+    if r["workload"] == "8b-64":
+        fracs = [r["systems"][k]["roofline_fraction"] for k in ("loraplex_adapters", "loraplex_base")]
+        s = r["systems"]
+        decode = s["loraplex_adapters"]["decode_tokens_per_s"] / s["loraplex_base"]["decode_tokens_per_s"]
+        lines.append(f"headline: decode at {100 * fracs[0]:.1f}% of the roofline with adapters, {100 * fracs[1]:.1f}% "
+                     f"without ({_against(min(fracs), ROOFLINE_TARGET)}); adapters / base decode = {decode:.2f}x "
+                     f"({_against(decode, ADAPTERS_VS_BASE_TARGET, 'x')})")
     return "\n".join(lines)
+
+
+def _against(value: float, target: float, unit: str = "%") -> str:
+    shown = f"{100 * target:.0f}%" if unit == "%" else f"{target:.2f}x"
+    return f"target {shown}: {'met' if value >= target else 'NOT met'}"
 
 
 # ---- the online workload ----------------------------------------------------------------------------
@@ -396,9 +420,12 @@ def main(argv: list[str] | None = None) -> int:
         if not names:
             continue
         loaded = model(kind)
-        adapter_names = [f"adapter-{i}" for i in range(max(fixed[n].adapters for n in names))]
-        peft_model = make_peft_model(hf_twin(loaded), adapter_names, SPEC, seed=args.seed)
-        peers = {"hf": hf_twin(loaded), "peft": peft_model}
+        with_peers = [n for n in names if fixed[n].peers]
+        peers, peft_model = {}, None
+        if with_peers:
+            adapter_names = [f"adapter-{i}" for i in range(max(fixed[n].adapters for n in with_peers))]
+            peft_model = make_peft_model(hf_twin(loaded), adapter_names, SPEC, seed=args.seed)
+            peers = {"hf": hf_twin(loaded), "peft": peft_model}
         for w in names:
             result = bench_fixed(w, fixed[w], loaded, peers, bandwidth, args.repeats, args.seed)
             figures["workloads"][w] = result
