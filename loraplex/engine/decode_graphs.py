@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from loraplex.engine.graph_inputs import StagedInputs
 from loraplex.layers.forward_context import (
     AttentionMetadata,
     DecodeGroup,
@@ -37,6 +38,7 @@ from loraplex.layers.forward_context import (
     forward_context,
 )
 from loraplex.lora.layers import LoraSlots
+from loraplex.sampling import greedy_picks
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 # Rows of the static input table.
@@ -58,9 +60,11 @@ class DecodeGraphs:
         self._static = torch.zeros(_ADAPTERS + 1, largest, dtype=torch.long, device=device)
         self._tables = torch.zeros(largest, self.width, dtype=torch.long, device=device)
         self._pad_column = [0, 0, scratch_block * block_size, 1, -1]
+        self._inputs = StagedInputs(self._static, self._tables)
         self._arange = torch.arange(largest, device=device)
         self._pool = None
-        self._graphs: dict[tuple[int, frozenset[str] | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, LoRA layers) -> the graph, its logits and its greedy picks (sampling.greedy_picks)
+        self._graphs: dict[tuple[int, frozenset[str] | None], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def max_batch(self) -> int:
@@ -71,9 +75,10 @@ class DecodeGraphs:
         return len(self._graphs)
 
     def run(self, input_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
-            adapter_slots: Sequence[int | None]) -> torch.Tensor:
+            adapter_slots: Sequence[int | None]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [rows, vocab] of one decode row per sequence (position p writes its key and value at block
-        block_tables[i][p // block_size]); `adapter_slots`: each row's LoRA slot or None."""
+        block_tables[i][p // block_size]), and their greedy picks [3, rows] (`sampling.greedy_picks`: the
+        argmax, its logprob, whether the row is finite); `adapter_slots`: each row's LoRA slot or None."""
         rows = len(input_ids)
         bucket = self.sizes[bisect.bisect_left(self.sizes, rows)]
         adapters = [-1 if s is None else s for s in adapter_slots]
@@ -84,22 +89,15 @@ class DecodeGraphs:
         key = (bucket, layers)
         if key not in self._graphs:
             self._graphs[key] = self._capture(bucket, layers)
-        graph, logits = self._graphs[key]
+        graph, logits, picks = self._graphs[key]
         graph.replay()
-        return logits[:rows]
+        return logits[:rows], picks[:, :rows]
 
     def _fill(self, bucket: int, input_ids, positions, block_tables, adapters) -> None:
-        bs, rows = self.block_size, len(input_ids)
+        bs = self.block_size
         slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions)]
-        pad = bucket - rows
-        columns = [list(input_ids), list(positions), slots, [p + 1 for p in positions], adapters]
-        inputs = torch.tensor([c + [v] * pad for c, v in zip(columns, self._pad_column)], dtype=torch.long)
-        # Only the widest row's blocks: columns past it are never read (each row reads up to its length).
-        widest = max(len(t) for t in block_tables)
-        tables = torch.tensor([list(t) + t[-1:] * (widest - len(t)) for t in block_tables]
-                              + [[self.scratch_block] * widest] * pad, dtype=torch.long)
-        self._static[:, :bucket].copy_(inputs)
-        self._tables[:bucket, :widest].copy_(tables)
+        columns = (input_ids, positions, slots, [p + 1 for p in positions], adapters)
+        self._inputs.write(columns, block_tables, bucket, self._pad_column, [self.scratch_block])
 
     def _context(self, bucket: int, layers: frozenset[str] | None) -> ForwardContext:
         static, rows = self._static, self._arange[:bucket]
@@ -115,12 +113,13 @@ class DecodeGraphs:
                             row_slots={"tokens": per_row, "logits": per_row})
         return ForwardContext(md, self.kv_caches, self.backend, lora)
 
-    def _forward(self, bucket: int) -> torch.Tensor:
+    def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         static = self._static
         hidden = self.model(static[_IDS, :bucket], static[_POSITIONS, :bucket])
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        return logits, greedy_picks(logits)
 
-    def _capture(self, bucket: int, layers: frozenset[str] | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, bucket: int, layers: frozenset[str] | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         # The capture runs on the padding rows' inputs (scratch block only): the step's own inputs are written
         # again after it, and nothing of the capture's run lands in a request's blocks.
         filled, tables = self._static[:, :bucket].clone(), self._tables[:bucket].clone()
@@ -138,6 +137,6 @@ class DecodeGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool), forward_context(ctx):
-            logits = self._forward(bucket)
+            logits, picks = self._forward(bucket)
         self._static[:, :bucket], self._tables[:bucket] = filled, tables
-        return graph, logits
+        return graph, logits, picks

@@ -35,7 +35,7 @@ from loraplex.layers.forward_context import (
 from loraplex.layers.kernels import triton_available
 from loraplex.layers.projections import fuse_projections
 from loraplex.lora.layers import LoraSlots
-from loraplex.sampling import Sampler, token_logprobs
+from loraplex.sampling import Sampler, takes_plain_argmax, token_logprobs
 
 # Steps whose adapter segments have at most this many rows each use the stacked LoRA form (each
 # adapter's rows padded to the longest segment, two batched matmuls per module). On a GPU each small
@@ -251,13 +251,27 @@ class ModelRunner:
         requests = [item.request for item in scheduled]
         masks = self.grammar_masks.start([r.grammar for r in requests]) if self.grammar_masks else None
         positions = [r.num_computed_tokens for r in requests]
-        logits = self.decode_graphs.run(
+        logits, picks = self.decode_graphs.run(
             [r.token_slice(p, p + 1)[0] for r, p in zip(requests, positions)], positions,
             [r.block_ids for r in requests], [r.adapter_slot for r in requests],
         )
         results = [StepResult() for _ in scheduled]
-        self._sample_logits(scheduled, list(range(len(scheduled))), [1] * len(scheduled), logits, results, masks)
+        if masks is None and self._plain_argmax(requests):  # the graph's own picks are the answer: one read
+            tokens, logprobs, finite = picks.tolist()
+            if all(finite):
+                for result, token, logprob in zip(results, tokens, logprobs):
+                    result.tokens = [SampledToken(int(token), logprob)]
+                return results
+        self._sample_logits(scheduled, list(range(len(scheduled))), [1] * len(scheduled), logits, results, masks,
+                            picks[2] != 0)
         return results
+
+    def _plain_argmax(self, requests: list) -> bool:
+        """Whether every request's next token is the argmax of its raw logits (nothing forced, masked,
+        penalised or warped, no alternatives reported)."""
+        forced = self.forced_tokens
+        return (forced.bos is None and not forced.eos
+                and all(r.grammar is None and takes_plain_argmax(r.params) for r in requests))
 
     def _sample(
         self, scheduled: list[ScheduledRequest], seqs: list[int], hidden: torch.Tensor, starts: list[int],
@@ -273,11 +287,12 @@ class ModelRunner:
 
     def _sample_logits(
         self, scheduled: list[ScheduledRequest], seqs: list[int], counts: list[int], logits: torch.Tensor,
-        results: list[StepResult], masks: PendingMasks | None,
+        results: list[StepResult], masks: PendingMasks | None, finite: torch.Tensor | None = None,
     ) -> None:
-        """Sample `seqs` from their logits rows (`counts[i]` rows for sequence seqs[i], in order)."""
+        """Sample `seqs` from their logits rows (`counts[i]` rows for sequence seqs[i], in order); `finite`: whether
+        each row's logits are all finite, where already computed."""
         started = seqs
-        logits, seqs = self._drop_non_finite(logits, seqs, counts, results)
+        logits, seqs = self._drop_non_finite(logits, seqs, counts, results, finite)
         try:
             self._process_and_sample(scheduled, started, seqs, logits, results, masks)
         except Exception:  # noqa: BLE001 — one request's logits processing or sampling: it fails alone
@@ -380,13 +395,17 @@ class ModelRunner:
 
     @staticmethod
     def _drop_non_finite(
-        logits: torch.Tensor, seqs: list[int], counts: list[int], results: list[StepResult]
+        logits: torch.Tensor, seqs: list[int], counts: list[int], results: list[StepResult],
+        finite: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """Fail the sequences (`counts[i]` rows each) with a row of NaN or inf logits (a diverging adapter; a
-        draft's row too: its keys and values would poison the cache); sample the rest."""
+        draft's row too: its keys and values would poison the cache); sample the rest. `finite` [rows]: the
+        rows' sums checked already (a CUDA graph does it)."""
         # A row's sum is finite when every logit is (NaN and inf propagate): one cheap reduction per step,
         # the full check only when it fails.
-        if torch.isfinite(logits.float().sum(dim=1)).all():
+        if finite is None:
+            finite = torch.isfinite(logits.sum(dim=1, dtype=torch.float32))
+        if finite.all():
             return logits, seqs
         finite = torch.isfinite(logits).all(dim=1).tolist()
         if all(finite):

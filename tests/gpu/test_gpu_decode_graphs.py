@@ -92,3 +92,36 @@ def test_graphs_match_eager_for_windows_and_alibi(model, tmp_path):
     used = [adapters[0], None, adapters[1], None, adapters[0], adapters[1]]
     assert tokens(graphed, batch, used) == tokens(eager, batch, used)
     assert graphed.runner.decode_graphs.num_captured >= 1
+
+
+def streamed(engine, batch, params):
+    """Each request's (token id, logprob) as streamed, step by step."""
+    ids = [engine.add_request(p, sp).request_id for p, sp in zip(batch, params)]
+    got = {i: [] for i in ids}
+    while engine.has_unfinished:
+        for out in engine.step():
+            got[out.request_id].append((out.token.id, out.token.logprob))
+    return [got[i] for i in ids]
+
+
+def test_plain_greedy_steps_take_the_graphs_own_picks_with_the_samplers_tokens_and_logprobs(monkeypatch):
+    """Steps where every request is plain greedy read the argmax and its logprob computed in the graph; a step
+    with a penalised request goes through the sampler. Both give what eager steps give."""
+    ours, config = llama(torch.float32)
+    graphed = engine_for(ours, config, device=DEVICE, dtype=torch.float32)
+    eager = engine_for(ours, config, device=DEVICE, dtype=torch.float32, cuda_graphs=False)
+    sampled_steps = []
+    sample = graphed.runner._sample_logits
+    monkeypatch.setattr(graphed.runner, "_sample_logits", lambda *a, **k: sampled_steps.append(1) or sample(*a, **k))
+    batch = prompts(6, config.vocab_size, seed=3)
+    plain = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    penalised = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=1.3)
+    for params, through_sampler in (([plain] * 6, False), ([plain] * 5 + [penalised], True)):
+        sampled_steps.clear()
+        got, expected = streamed(graphed, batch, params), streamed(eager, batch, params)
+        assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in expected]
+        torch.testing.assert_close([[lp for _, lp in r] for r in got], [[lp for _, lp in r] for r in expected],
+                                   atol=1e-4, rtol=0)
+        # Prefill steps always sample; decode steps only when some request is not plain greedy.
+        assert (len(sampled_steps) > 2) == through_sampler, sampled_steps
+    assert graphed.runner.decode_graphs.num_captured >= 1

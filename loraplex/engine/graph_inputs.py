@@ -1,0 +1,58 @@
+"""The inputs of a graphed decode step, staged on the host and copied into the graph's static tensors.
+
+Each step rewrites a few numbers per row (token, position, cache slot, length, adapter slot) and the rows' block
+tables. Built as fresh tensors from Python lists, with a blocking copy each, they cost 0.66 ms of host time per
+step at 64 rows of 1k context on the H200 machine, while the GPU waited. Here they are written into pinned host
+buffers that keep their contents from step to step (a row's block table only where it changed: a running
+request's table only grows) and copied to the device asynchronously.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import Sequence
+
+import torch
+
+
+class StagedInputs:
+    """Host copies of `static` [inputs, rows] and `tables` [rows, columns] (device tensors a graph reads)."""
+
+    def __init__(self, static: torch.Tensor, tables: torch.Tensor) -> None:
+        self.static, self.tables = static, tables
+        pinned = static.device.type == "cuda"
+        self._host_static = torch.zeros(static.shape, dtype=static.dtype, pin_memory=pinned)
+        self._host_tables = torch.zeros(tables.shape, dtype=tables.dtype, pin_memory=pinned)
+        self._static_view, self._tables_view = self._host_static.numpy(), self._host_tables.numpy()
+        self._written: list[list[int]] = [[] for _ in range(tables.shape[0])]  # each row's table as last copied
+        self._copied: torch.cuda.Event | None = None
+
+    def write(self, columns: Sequence[Sequence[int]], tables: Sequence[Sequence[int]], bucket: int,
+              pad_column: Sequence[int], pad_table: Sequence[int]) -> None:
+        """columns[k][i]: input k of row i, tables[i]: row i's blocks; rows len(tables) .. bucket - 1 are padding
+        (input k = pad_column[k], blocks pad_table). Columns of a row's table past its own blocks keep whatever
+        they held: a row reads only up to its length."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies out of the host buffers have finished
+        rows = len(tables)
+        for k, (column, pad) in enumerate(zip(columns, pad_column)):
+            self._static_view[k, :rows] = column
+            self._static_view[k, rows:bucket] = pad
+        for i, table in enumerate(chain(tables, [pad_table] * (bucket - rows))):
+            self._write_row(i, table)
+        self.static.copy_(self._host_static, non_blocking=True)
+        self.tables[:bucket].copy_(self._host_tables[:bucket], non_blocking=True)
+        if self.static.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _write_row(self, i: int, table: Sequence[int]) -> None:
+        written = self._written[i]
+        n = len(written)
+        if len(table) >= n and table[:n] == written:  # the same blocks, maybe more: write only the new ones
+            if len(table) > n:
+                self._tables_view[i, n : len(table)] = table[n:]
+                written.extend(table[n:])
+        else:
+            self._tables_view[i, : len(table)] = table
+            self._written[i] = list(table)
