@@ -93,6 +93,13 @@ class DecodeGraphs:
         graph.replay()
         return logits[:rows], picks[:, :rows]
 
+    def captured(self, rows: int, with_adapters: bool) -> torch.cuda.CUDAGraph | None:
+        """The graph a step of `rows` rows would replay, if captured (benchmarks/step_shares.py replays it alone)."""
+        bucket = self.sizes[bisect.bisect_left(self.sizes, rows)]
+        layers = self.lora.pointers.targeted if with_adapters and self.lora is not None else None
+        found = self._graphs.get((bucket, layers))
+        return found[0] if found else None
+
     def _fill(self, bucket: int, input_ids, positions, block_tables, adapters) -> None:
         bs = self.block_size
         slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions)]
