@@ -75,6 +75,9 @@ def apply_rotary(
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether k's heads follow q's in memory with the same strides, as in one [T, H + Hkv, D] tensor."""
-    return (q.stride() == k.stride() and q.stride(1) == q.shape[2] and q.shape[0] == k.shape[0]
-            and q.shape[2] == k.shape[2] and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size())
+    """Whether k's heads follow q's in memory with the same strides, as in one [T, H + Hkv, D] tensor. (A single
+    row's stride carries no meaning, and views give q's and k's different ones.)"""
+    rows = q.shape[0]
+    return (rows == k.shape[0] and (rows == 1 or q.stride(0) == k.stride(0)) and q.shape[2] == k.shape[2]
+            and q.stride()[1:] == k.stride()[1:] == (q.shape[2], 1)
+            and k.data_ptr() == q.data_ptr() + q.shape[1] * q.shape[2] * q.element_size())
