@@ -16,29 +16,12 @@ import time
 import torch
 
 from benchmarks.adapters import AdapterSpec, random_adapter
+from benchmarks.decode_graphs import decode_ms_per_step
 from benchmarks.random_models import llama_8b
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
-from loraplex.params import SamplingParams
 
 CASES = [(1, 0, 256), (1, 1, 256), (32, 8, 256), (64, 0, 1000), (64, 64, 1000)]
-
-
-def wall_ms_per_step(engine: Engine, adapters, rows: int, distinct: int, prompt_len: int, new_tokens: int) -> float:
-    for i in range(rows):
-        prompt = [3 + (i * 7 + j) % 1000 for j in range(prompt_len)]
-        engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True),
-                           f"r{time.perf_counter()}-{i}", adapter=adapters[i % distinct] if distinct else None)
-    scheduler = engine.scheduler
-    while any(r.num_computed_tokens < len(r.prompt_ids) for r in [*scheduler.running, *scheduler.waiting]):
-        engine.step()
-    torch.cuda.synchronize()
-    started, steps = time.perf_counter(), 0
-    while engine.has_unfinished:
-        engine.step()
-        steps += 1
-    torch.cuda.synchronize()
-    return (time.perf_counter() - started) / steps * 1e3
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, times: int = 20) -> float:
@@ -62,8 +45,8 @@ def main() -> None:
     adapters = [random_adapter(f"a{i}", engine.lora.base_shapes, AdapterSpec(), 16, i) for i in range(64)]
     print(f"{loaded.model_id}, load average {os.getloadavg()[0]:.1f}")
     for rows, distinct, prompt_len in CASES:
-        wall_ms_per_step(engine, adapters, rows, distinct, prompt_len, args.new_tokens)  # captures, compiles
-        wall = wall_ms_per_step(engine, adapters, rows, distinct, prompt_len, args.new_tokens)
+        decode_ms_per_step(engine, adapters, rows, distinct, prompt_len, args.new_tokens)  # captures, compiles
+        wall = decode_ms_per_step(engine, adapters, rows, distinct, prompt_len, args.new_tokens)
         gpu = replay_ms(engine.runner.decode_graphs.captured(rows, with_adapters=distinct > 0))
         print(f"rows {rows:2d}, adapters {distinct:2d}, prompt {prompt_len}: {wall:.2f} ms/step = GPU {gpu:.2f} "
               f"+ host {wall - gpu:.2f}", flush=True)
