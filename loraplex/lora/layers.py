@@ -96,7 +96,7 @@ class LoraLinear(nn.Module):
         rows = current_lora_rows()
         kind = layers[0].row_kind
         per_row = rows.row_slots.get(kind) if rows is not None else None
-        if (per_row is None or rows.segments(kind) or any(l.row_kind != kind for l in layers)
+        if (per_row is None or rows.segments(kind) or any(layer.row_kind != kind for layer in layers)
                 or any(o.dtype != x.dtype for o in outs) or (rows.dtype is not None and x.dtype != rows.dtype)):
             return tuple(layer.add_to(out, x) for layer, out in zip(layers, outs))
         targeted = [(layer.name, out) for layer, out in zip(layers, outs) if layer.name in per_row.layers]
