@@ -104,6 +104,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=_env("CUDA_GRAPHS", True, _truthy),
                    help="on CUDA, replay decode steps as CUDA graphs (on by default; --no-cuda-graphs runs every "
                         "step eagerly; no effect on CPU)")
+    p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=_env("OVERLAP_STEPS", None, _truthy),
+                   help="launch each decode step before the host has read the last one's tokens (default: on with "
+                        "CUDA graphs; outputs unchanged)")
     p.add_argument("--speculative-tokens", type=_non_negative, default=_env("SPECULATIVE_TOKENS", 0, _non_negative),
                    help="speculative decoding: up to N tokens per step guessed from each request's own text "
                         "(n-gram lookup) and verified by the model; outputs unchanged (default 0: off)")
@@ -202,6 +205,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         prefix_caching=args.prefix_caching,
         speculative_tokens=args.speculative_tokens,
         cuda_graphs=args.cuda_graphs,
+        overlap_steps=args.overlap_steps,
         revision=args.revision,
         cuda_memory_fraction=args.cuda_memory_fraction,
         adapter_memory_fraction=args.adapter_memory_fraction,

@@ -667,6 +667,10 @@ class EngineConfig:
     # CUDA (with Triton): decode steps of up to max_num_seqs (at most 256) requests replay CUDA graphs
     # (engine/decode_graphs.py). Off: every step runs eagerly (vLLM's --enforce-eager). No effect on CPU.
     cuda_graphs: bool = True
+    # Overlapped decode steps (engine/overlap.py): the next step is launched before the host reads the last one's
+    # tokens, so the host's work runs while the GPU computes. None: where decode steps run as CUDA graphs and
+    # speculative decoding is off. True on a CPU runs the same bookkeeping with eager steps (no gain; for tests).
+    overlap_steps: bool | None = None
     # CUDA memory: the fraction of the device this process may use (LoRAX's --cuda-memory-fraction), and the
     # fraction at most kept out of the KV cache for adapter weights (LoRAX's --adapter-memory-fraction).
     cuda_memory_fraction: float = 1.0

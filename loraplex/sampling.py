@@ -110,14 +110,13 @@ def takes_plain_argmax(params: SamplingParams) -> bool:
 
 
 def greedy_picks(logits: torch.Tensor) -> torch.Tensor:
-    """[3, rows] float64: each row's argmax token, its logprob, and 1.0 where the row's float32 sum is finite (then
-    every logit is; the runner checks a row whose sum is not in full). For rows that `takes_plain_argmax`, the token
-    and logprob are what `Sampler` returns, by the same ops (a CUDA graph computes them with its logits, and the
-    host reads one small tensor)."""
+    """[3, rows] float64: each row's argmax token, its logprob, and 1.0 where every logit of the row is finite. For
+    rows that `takes_plain_argmax`, the token and logprob are what `Sampler` returns, by the same ops (a CUDA graph
+    computes them with its logits, and the host reads one small tensor)."""
     x = logits.float()
     tokens = x.argmax(dim=1)
     chosen = torch.log_softmax(x, dim=1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-    finite = torch.isfinite(logits.sum(dim=1, dtype=torch.float32))
+    finite = torch.isfinite(x).all(dim=1)
     return torch.stack((tokens.double(), chosen.double(), finite.double()))
 
 

@@ -17,6 +17,11 @@ row's adapter slot), refilled before each replay:
   other layers make a graph of their own (most deployments' adapters target the same modules). Steps without
   adapters replay graphs with no LoRA at all.
 
+A row's input token is read through an index into a flat view of the static inputs: its own token id, staged from
+the host, or the token the previous replay picked for one of its rows (each replay keeps its greedy picks on the
+device). So a step can be launched before the host has read the last step's tokens (the engine's overlapped steps,
+engine/overlap.py).
+
 Graphs are captured lazily, at a bucket's first step, sharing one memory pool.
 """
 
@@ -41,8 +46,11 @@ from loraplex.lora.layers import LoraSlots
 from loraplex.sampling import greedy_picks
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
-# Rows of the static input table.
-_IDS, _POSITIONS, _SLOTS, _LENS, _ADAPTERS = range(5)
+# Rows of the static input table: the first five are staged from the host each step; _PICKED holds the last
+# replay's greedy tokens (written by the graph). A row's input token is flat[_INDEX row][i]: its own staged id
+# (_IDS * width + i) or a picked token (_PICKED * width + row of the last replay).
+_IDS, _POSITIONS, _SLOTS, _LENS, _ADAPTERS, _INDEX, _PICKED = range(7)
+_STAGED = _INDEX + 1
 
 
 class DecodeGraphs:
@@ -57,10 +65,11 @@ class DecodeGraphs:
         largest = self.sizes[-1]
         # The static inputs: row k of `_static` is input k for up to `largest` rows, and the block tables; a
         # bucket's inputs are their first rows.
-        self._static = torch.zeros(_ADAPTERS + 1, largest, dtype=torch.long, device=device)
+        self._static = torch.zeros(_PICKED + 1, largest, dtype=torch.long, device=device)
         self._tables = torch.zeros(largest, self.width, dtype=torch.long, device=device)
-        self._pad_column = [0, 0, scratch_block * block_size, 1, -1]
-        self._inputs = StagedInputs(self._static, self._tables)
+        # A padding row reads row 0's staged id: any token will do.
+        self._pad_column = [0, 0, scratch_block * block_size, 1, -1, _IDS * largest]
+        self._inputs = StagedInputs(self._static[:_STAGED], self._tables)
         self._arange = torch.arange(largest, device=device)
         self._pool = None
         # (bucket, LoRA layers) -> the graph, its logits and its greedy picks (sampling.greedy_picks)
@@ -75,17 +84,22 @@ class DecodeGraphs:
         return len(self._graphs)
 
     def run(self, input_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
-            adapter_slots: Sequence[int | None]) -> tuple[torch.Tensor, torch.Tensor]:
+            adapter_slots: Sequence[int | None], picked_rows: Sequence[int] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [rows, vocab] of one decode row per sequence (position p writes its key and value at block
         block_tables[i][p // block_size]), and their greedy picks [3, rows] (`sampling.greedy_picks`: the
-        argmax, its logprob, whether the row is finite); `adapter_slots`: each row's LoRA slot or None."""
+        argmax, its logprob, whether the row is finite); `adapter_slots`: each row's LoRA slot or None.
+        `picked_rows[i]` >= 0: row i's input is the token the last replay picked for that row, not input_ids[i]."""
         rows = len(input_ids)
         bucket = self.sizes[bisect.bisect_left(self.sizes, rows)]
         adapters = [-1 if s is None else s for s in adapter_slots]
         layers = None
         if self.lora is not None and any(s >= 0 for s in adapters):
             layers = self.lora.pointers.targeted
-        self._fill(bucket, input_ids, positions, block_tables, adapters)
+        width = self._static.shape[1]
+        index = [_IDS * width + i if picked_rows is None or picked_rows[i] < 0 else _PICKED * width + picked_rows[i]
+                 for i in range(rows)]
+        self._fill(bucket, input_ids, positions, block_tables, adapters, index)
         key = (bucket, layers)
         if key not in self._graphs:
             self._graphs[key] = self._capture(bucket, layers)
@@ -100,10 +114,10 @@ class DecodeGraphs:
         found = self._graphs.get((bucket, layers))
         return found[0] if found else None
 
-    def _fill(self, bucket: int, input_ids, positions, block_tables, adapters) -> None:
+    def _fill(self, bucket: int, input_ids, positions, block_tables, adapters, index) -> None:
         bs = self.block_size
         slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions)]
-        columns = (input_ids, positions, slots, [p + 1 for p in positions], adapters)
+        columns = (input_ids, positions, slots, [p + 1 for p in positions], adapters, index)
         self._inputs.write(columns, block_tables, bucket, self._pad_column, [self.scratch_block])
 
     def _context(self, bucket: int, layers: frozenset[str] | None) -> ForwardContext:
@@ -122,15 +136,19 @@ class DecodeGraphs:
 
     def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         static = self._static
-        hidden = self.model(static[_IDS, :bucket], static[_POSITIONS, :bucket])
+        input_ids = static.view(-1).index_select(0, static[_INDEX, :bucket])
+        hidden = self.model(input_ids, static[_POSITIONS, :bucket])
         logits = self.model.compute_logits(hidden)
-        return logits, greedy_picks(logits)
+        picks = greedy_picks(logits)
+        static[_PICKED, :bucket] = picks[0]  # the next step's rows may read them
+        return logits, picks
 
     def _capture(self, bucket: int, layers: frozenset[str] | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         # The capture runs on the padding rows' inputs (scratch block only): the step's own inputs are written
         # again after it, and nothing of the capture's run lands in a request's blocks.
+        # The last replay's picks too: a step launched before its tokens were read needs them.
         filled, tables = self._static[:, :bucket].clone(), self._tables[:bucket].clone()
-        self._static[:, :bucket] = torch.tensor(self._pad_column, device=self._static.device)[:, None]
+        self._static[:_STAGED, :bucket] = torch.tensor(self._pad_column, device=self._static.device)[:, None]
         self._tables[:bucket] = self.scratch_block
         ctx = self._context(bucket, layers)
         side = torch.cuda.Stream()

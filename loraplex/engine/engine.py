@@ -1,4 +1,4 @@
-"""The engine: `step()` = schedule -> run -> update.
+"""The engine: `step()` = schedule -> run -> update (decode steps overlapped with the host's work: overlap.py).
 
 Synchronous and single-threaded; `AsyncEngine` drives it from a background thread for the server.
 """
@@ -21,6 +21,7 @@ from loraplex.engine.image_states import with_state_layout
 from loraplex.engine.images import ImageInputs
 from loraplex.engine.kv_cache import blocks_for
 from loraplex.engine.loading import LoadedModel, load_model
+from loraplex.engine.overlap import PENDING, InFlight, drop_placeholders, hold_places
 from loraplex.engine.prefix_cache import root_key
 from loraplex.engine.request import FinishReason, Request, RequestRefused, RequestStatus
 from loraplex.engine.decode_graphs import BATCH_SIZES as GRAPH_BATCH_SIZES
@@ -113,6 +114,10 @@ class Engine:
         self._grammars: Grammars | None = None  # structured output, made at the first request that asks
         self.spec_decode = SpecDecodeCounters()
         self._grammars_made = threading.Lock()  # compile_grammar is called from other threads too
+        overlap = config.overlap_steps
+        self._overlap = (self.runner.decode_graphs is not None if overlap is None else overlap) and (
+            config.speculative_tokens == 0)
+        self._in_flight: InFlight | None = None  # the step launched and not read yet (overlap.py)
 
     @classmethod
     def from_config(cls, config: EngineConfig, show_progress: bool = False, log=None) -> "Engine":
@@ -239,6 +244,7 @@ class Engine:
     def _release(self, request: Request, reason: FinishReason) -> None:
         """A request leaves the engine: its KV blocks, adapter use, stream and per-request states go."""
         self.scheduler.finish(request, reason)
+        drop_placeholders(request)
         self._drop_adapter(request.adapter_id)
         self._streams.pop(request.request_id, None)
         self.runner.forget(request.request_id)
@@ -347,27 +353,67 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Plan a step and run it. With overlapped steps (overlap.py) a decode step is launched and its tokens are
+        read at the next call, after the step that follows it is launched; a step that cannot be launched so
+        first reads the one in flight, then runs as before."""
         plan = self.scheduler.schedule()
-        if not plan.scheduled:
-            return []
-        started = time.monotonic()
-        failed = self._install(plan)
-        if not plan.scheduled:  # every request of the step failed its install
-            return failed
-        for item in plan.scheduled:  # queue time ends when a request's first step begins
-            if item.request.first_scheduled_time is None:
-                item.request.first_scheduled_time = started
+        landing, self._in_flight = self._in_flight, None
+        outputs: list[RequestOutput] = []
+        if plan.scheduled:
+            started = time.monotonic()
+            outputs = self._install(plan)
+            for item in plan.scheduled:  # queue time ends when a request's first step begins
+                if item.request.first_scheduled_time is None:
+                    item.request.first_scheduled_time = started
+        if plan.scheduled and self._overlap and self.runner.launchable(plan.scheduled):
+            self._in_flight = self._launch(plan, landing)
+        if landing is not None:
+            outputs += self._land(landing)
+        if self._in_flight is None:
+            # Requests that ended when the launched step was read drop out of the plan (their KV blocks are free).
+            plan.scheduled = [item for item in plan.scheduled if not item.request.finished]
+            if plan.scheduled:
+                outputs += self._execute(plan)
+        return outputs
+
+    def _execute(self, plan: SchedulerOutput) -> list[RequestOutput]:
         try:
             results = self.runner.execute(plan.scheduled, plan.fresh_blocks, plan.fresh_state_blocks)
         except Exception as error:  # noqa: BLE001 — contained: only the requests it belongs to fail
             results = execute_contained(self.runner.execute, plan.scheduled, error, self.scheduler.config.block_size,
                                         plan.fresh_blocks, plan.fresh_state_blocks)
-        return failed + self._update(plan, results)
+        return self._update(plan, results)
+
+    def _launch(self, plan: SchedulerOutput, after: InFlight | None) -> InFlight | None:
+        """Launch the step; None when the launch failed (the step then runs as before, and its failure is
+        contained there)."""
+        try:
+            launched = self.runner.launch(plan.scheduled, plan.fresh_blocks, plan.fresh_state_blocks,
+                                          after.launched if after else None)
+        except Exception:  # noqa: BLE001
+            log.warning("launching a decode step failed; it runs without overlap", exc_info=True)
+            return None
+        return InFlight(plan, launched, hold_places(plan.scheduled, self.max_total_tokens))
+
+    def _land(self, in_flight: InFlight) -> list[RequestOutput]:
+        """Read a launched step's tokens into its requests (those that left the engine meanwhile are skipped)."""
+        results = self.runner.land(in_flight.launched)
+        now = time.monotonic()
+        outputs = []
+        for item, result, place in zip(in_flight.plan.scheduled, results, in_flight.places):
+            request = item.request
+            if request.finished:  # aborted, or ended when the step before was read
+                continue
+            if result.error is not None:
+                outputs.append(self._fail(request, result.error))
+            else:
+                outputs.append(self._append_token(request, result.tokens[0], now, place))
+        return outputs
 
     def _install(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """Install the step's new adapters into their slots. An adapter whose install raises fails the step's
@@ -446,12 +492,18 @@ class Engine:
             if request.status is RequestStatus.RUNNING and request.num_uncomputed_tokens == 1:
                 request.draft_ids = drafts_for(request, most, self.max_total_tokens)
 
-    def _append_token(self, request: Request, result: SampledToken, now: float) -> RequestOutput:
+    def _append_token(self, request: Request, result: SampledToken, now: float, place: int | None = None) -> RequestOutput:
+        """`place`: the index of the token's placeholder in output_ids (overlap.py); None: appended."""
         token_id = result.token_id
         stream = self._streams[request.request_id]
         stream.first_token_time = stream.first_token_time or now
         stream.token_times.append(now)
-        request.output_ids.append(token_id)
+        if place is None:
+            request.output_ids.append(token_id)
+        else:
+            assert request.output_ids[place] == PENDING, "a placeholder is written once"
+            request.output_ids[place] = token_id
+            request.num_pending -= 1
         if request.grammar is not None:
             error = advance(request.grammar, token_id)
             if error is not None:

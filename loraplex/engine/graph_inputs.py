@@ -1,4 +1,5 @@
-"""The inputs of a graphed decode step, staged on the host and copied into the graph's static tensors.
+"""The inputs of a graphed decode step, staged on the host and copied into the graph's static tensors; and its greedy
+picks, copied back to the host without waiting (HostPicks).
 
 Each step rewrites a few numbers per row (token, position, cache slot, length, adapter slot) and the rows' block
 tables. Built as fresh tensors from Python lists, with a blocking copy each, they cost 0.66 ms of host time per
@@ -56,3 +57,22 @@ class StagedInputs:
         else:
             self._tables_view[i, : len(table)] = table
             self._written[i] = list(table)
+
+
+class HostPicks:
+    """Pinned host copies of launched steps' greedy picks ([3, rows] float64, sampling.greedy_picks), copied from
+    the device asynchronously. Two buffers in turn: one step's picks are read while the next step's are copied."""
+
+    def __init__(self, max_rows: int) -> None:
+        self._buffers = [torch.zeros(3 * max_rows, dtype=torch.float64, pin_memory=True) for _ in range(2)]
+        self._next = 0
+
+    def copy(self, picks: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Start copying `picks` [3, rows]; returns the host tensor and the event after which it holds them."""
+        picks = picks.contiguous()  # a copy is asynchronous between contiguous tensors only
+        host = self._buffers[self._next][: picks.numel()].view(picks.shape)
+        self._next = 1 - self._next
+        host.copy_(picks, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready

@@ -73,6 +73,9 @@ class Request:
     # Speculative decoding: tokens guessed to follow its last one (engine/speculative.py), verified by the
     # model in its next step; the scheduler may cut them, and they are dropped when it is preempted.
     draft_ids: list[int] = field(default_factory=list)
+    # Overlapped steps (engine/overlap.py): the last this many entries of `output_ids` are placeholders for tokens a
+    # launched step computes; the engine writes them when it reads that step.
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         if self.encoder_ids is not None and not self.num_states:
@@ -86,6 +89,11 @@ class Request:
     def num_input_tokens(self) -> int:
         """What the client's prompt came to: the encoder's input, or the decoder prompt."""
         return len(self.encoder_ids) if self.encoder_ids is not None else len(self.prompt_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has (not those a launched step is still computing)."""
+        return self.num_tokens - self.num_pending
 
     @property
     def num_uncomputed_tokens(self) -> int:

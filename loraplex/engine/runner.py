@@ -17,7 +17,9 @@ from torch import nn
 
 from loraplex.engine.decode_graphs import DecodeGraphs
 from loraplex.engine.grammar_masks import GrammarMasks, PendingMasks
+from loraplex.engine.graph_inputs import HostPicks
 from loraplex.engine.images import ImageFeatures, VisionCounters, step_input_embeds
+from loraplex.engine.overlap import LaunchedStep
 from loraplex.engine.scheduler import ScheduledRequest
 from loraplex.engine.verification import SampledToken, apply_grammar_masks, sample_verified
 from loraplex.layers.attention import AttentionBackend, TritonAttentionBackend, default_backend
@@ -46,6 +48,7 @@ STACKED_ROWS_PER_SEGMENT = {"cuda": 64, "cpu": 16}
 # per module; longer segments (prefill) keep a matmul pair each, where a row-by-row reading of the adapter would
 # cost more than the launches. A step's prefill budget bounds how many such segments it has.
 PER_ROW_LONGEST_SEGMENT = 1024
+NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request"
 
 
 @dataclass
@@ -122,9 +125,23 @@ def group_by_length(
     return groups
 
 
-def _slot_order(item: ScheduledRequest) -> int:
-    slot = item.request.adapter_slot
-    return -1 if slot is None else slot
+def _row_order(scheduled: list[ScheduledRequest]) -> list[int]:
+    """The step's rows: sequences of one adapter side by side, so that each adapter's rows form one segment (see
+    LoraRows). Row i is scheduled[order[i]]."""
+    return sorted(range(len(scheduled)), key=lambda i: -1 if scheduled[i].request.adapter_slot is None
+                  else scheduled[i].request.adapter_slot)
+
+
+def _by_position(by_row: list[StepResult], order: list[int]) -> list[StepResult]:
+    by_position = [StepResult()] * len(order)
+    for result, i in zip(by_row, order):
+        by_position[i] = result
+    return by_position
+
+
+def _token_of(result: StepResult) -> int:
+    """The token a launched row picked (any token when the row failed: its request ends when it is read)."""
+    return result.tokens[0].token_id if result.tokens else 0
 
 
 def fused_projections_wanted(device: torch.device) -> bool:
@@ -184,6 +201,7 @@ class ModelRunner:
                          scratch_block=num_blocks, device=device)
             if graphed else None
         )
+        self._host_picks = HostPicks(self.decode_graphs.max_batch) if graphed else None
         # On CUDA, short adapter segments (decode) take the per-row Triton kernels rather than the stacked form.
         self.per_row_lora = lora is not None and triton_available(device)
 
@@ -201,23 +219,72 @@ class ModelRunner:
         the last step: they are zeroed first, so nothing a finished request left there (NaN included) can
         reach the new owner's attention.
         """
+        self._clear(fresh_blocks, fresh_state_blocks)
+        order = _row_order(scheduled)
+        return _by_position(self._execute([scheduled[i] for i in order]), order)
+
+    def _clear(self, fresh_blocks: Sequence[int], fresh_state_blocks: Sequence[int]) -> None:
         if self.state_layers:
             self.backend.clear_blocks([self.kv_caches[i] for i in self.token_layers], fresh_blocks)
             self.backend.clear_blocks([self.kv_caches[i] for i in self.state_layers], fresh_state_blocks)
         else:
             self.backend.clear_blocks(self.kv_caches, fresh_blocks)
-        # Sequences of one adapter side by side: each adapter's rows form one segment (see LoraRows).
-        order = sorted(range(len(scheduled)), key=lambda i: _slot_order(scheduled[i]))
-        results = self._execute([scheduled[i] for i in order])
-        by_position = [StepResult()] * len(scheduled)
-        for result, i in zip(results, order):
-            by_position[i] = result
-        return by_position
 
-    def _execute(self, scheduled: list[ScheduledRequest]) -> list[StepResult]:
+    # ---- overlapped steps (engine/overlap.py) ---------------------------------------------------------------
+
+    def launchable(self, scheduled: list[ScheduledRequest]) -> bool:
+        """Whether the step can be launched before the host knows its input tokens: every request decodes one
+        token, its plain argmax (then the step's picks on the device are its tokens), as a CUDA graph where
+        graphs run."""
+        if self.decode_graphs is not None:
+            decoding = self._graphable(scheduled)
+        else:
+            decoding = all(item.num_new_tokens == 1 and item.completes_sequence and not item.num_drafts
+                           for item in scheduled)
+        return decoding and self._plain_argmax([item.request for item in scheduled])
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledRequest], fresh_blocks: Sequence[int] = (),
+               fresh_state_blocks: Sequence[int] = (), after: LaunchedStep | None = None) -> LaunchedStep:
+        """Start a `launchable` step without waiting for its tokens (`land` reads them). A request whose last token
+        is a placeholder takes it from `after`, the step launched just before (its row's pick)."""
+        self._clear(fresh_blocks, fresh_state_blocks)
+        order = _row_order(scheduled)
+        ordered = [scheduled[i] for i in order]
+        requests = [item.request for item in ordered]
+        from_after = [after.rows.get(r, -1) if after and r.num_pending else -1 for r in requests]
+        assert all(r.num_pending == 0 or row >= 0 for r, row in zip(requests, from_after)), (
+            "a placeholder token of a step that is not the one launched just before")
+        launched = LaunchedStep({r: row for row, r in enumerate(requests)}, order)
+        if self.decode_graphs is None:  # eager (CPU): the tokens are known at once
+            tokens = {row: _token_of(after.results[source]) for row, source in enumerate(from_after) if source >= 0}
+            launched.results = self._execute(ordered, tokens)
+            return launched
+        positions = [r.num_computed_tokens for r in requests]
+        _, picks = self.decode_graphs.run(
+            [0 if source >= 0 else r.token_slice(p, p + 1)[0] for r, p, source in zip(requests, positions, from_after)],
+            positions, [r.block_ids for r in requests], [r.adapter_slot for r in requests], from_after,
+        )
+        launched.picks, launched.ready = self._host_picks.copy(picks)
+        return launched
+
+    def land(self, launched: LaunchedStep) -> list[StepResult]:
+        """The results of a launched step, in the order it was scheduled (waits for the device)."""
+        results = launched.results
+        if results is None:
+            launched.ready.synchronize()
+            tokens, logprobs, finite = launched.picks.tolist()
+            results = [StepResult([SampledToken(int(t), lp)]) if ok else StepResult(error=NON_FINITE)
+                       for t, lp, ok in zip(tokens, logprobs, finite)]
+        return _by_position(results, launched.order)
+
+    # ---- one step ------------------------------------------------------------------------------------------
+
+    def _execute(self, scheduled: list[ScheduledRequest], input_tokens: dict[int, int] | None = None) -> list[StepResult]:
+        """`input_tokens`: the input token of decoding sequences whose last token is a placeholder (overlap.py)."""
         if self._graphable(scheduled):
             return self._execute_graphed(scheduled)
-        batch = self._build_batch(scheduled)
+        batch = self._build_batch(scheduled, input_tokens)
         slots = [item.request.adapter_slot for item in scheduled]
         starts = batch.metadata.query_start_loc
         lora = self._lora_rows(slots, [starts[i + 1] - starts[i] for i in range(len(slots))])
@@ -399,8 +466,8 @@ class ModelRunner:
         finite: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """Fail the sequences (`counts[i]` rows each) with a row of NaN or inf logits (a diverging adapter; a
-        draft's row too: its keys and values would poison the cache); sample the rest. `finite` [rows]: the
-        rows' sums checked already (a CUDA graph does it)."""
+        draft's row too: its keys and values would poison the cache); sample the rest. `finite` [rows]: whether
+        each row is all finite, checked already (a CUDA graph does it)."""
         # A row's sum is finite when every logit is (NaN and inf propagate): one cheap reduction per step,
         # the full check only when it fails.
         if finite is None:
@@ -413,7 +480,7 @@ class ModelRunner:
         owner = [i for i, c in zip(seqs, counts) for _ in range(c)]
         failed = {i for ok, i in zip(finite, owner) if not ok}
         for i in failed:
-            results[i].error = "the model produced non-finite logits (NaN or inf) for this request"
+            results[i].error = NON_FINITE
         keep = [row for row, i in enumerate(owner) if i not in failed]
         return logits[keep], [i for i in seqs if i not in failed]
 
@@ -483,7 +550,9 @@ class ModelRunner:
             values += [v if ok else None for v, ok in zip(scored, producible)]
         return values
 
-    def _build_batch(self, scheduled: list[ScheduledRequest]) -> _Batch:
+    def _build_batch(self, scheduled: list[ScheduledRequest], input_tokens: dict[int, int] | None = None) -> _Batch:
+        """`input_tokens`: sequence -> the input token of a decoding sequence whose last token is a placeholder."""
+        input_tokens = input_tokens or {}
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -497,7 +566,8 @@ class ModelRunner:
             start, end = request.num_computed_tokens, request.num_computed_tokens + item.num_new_tokens
             blocks = request.block_ids
             # Past its known tokens: the drafts it verifies (engine/verification.py).
-            input_ids += request.token_slice(start, min(end, request.num_tokens)) + request.draft_ids[: item.num_drafts]
+            known = [input_tokens[s]] if s in input_tokens else request.token_slice(start, min(end, request.num_tokens))
+            input_ids += known + request.draft_ids[: item.num_drafts]
             positions += range(start, end)
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)

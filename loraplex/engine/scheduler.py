@@ -145,6 +145,9 @@ class Scheduler:
         while index < len(self.running):
             request = self.running[index]
             n = request.num_uncomputed_tokens
+            if n == 0:  # its next token ends it, and a launched step is computing it (engine/overlap.py)
+                index += 1
+                continue
             if n > 1:  # an unfinished (chunked) prefill draws on the prefill budget
                 n = min(n, budget)
                 if n == 0:
@@ -178,6 +181,7 @@ class Scheduler:
         passed_over: list[Request] = []
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.waiting[0]
+            assert not request.num_pending, "a preempted request's tokens are all read before it is admitted again"
             hit = self._cached_prefix(request)  # None: it looks nothing up
             cached = hit or []
             computed = len(cached) * self.config.block_size
@@ -219,7 +223,7 @@ class Scheduler:
         before any attention of the step reads them). Only known tokens count (not draft tokens)."""
         if not self.config.prefix_caching or request.cache_key is None:
             return
-        filled = min(request.num_computed_tokens + num_new_tokens, request.num_tokens)
+        filled = min(request.num_computed_tokens + num_new_tokens, request.num_known_tokens)
         full = filled // self.config.block_size
         if full <= request.num_cached_blocks:
             return

@@ -122,7 +122,11 @@ class TorchAttentionBackend:
     def clear_blocks(self, kv_caches, block_ids):
         if not block_ids:
             return
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_caches[0][0].device)
+        device = kv_caches[0][0].device
+        # Pinned and copied asynchronously on CUDA: a blocking copy would wait for the steps in flight (the engine
+        # launches decode steps ahead, engine/overlap.py), and the GPU would then wait for the host.
+        index = torch.tensor(list(block_ids), dtype=torch.long, pin_memory=device.type == "cuda")
+        index = index.to(device, non_blocking=True)
         for key_cache, value_cache in kv_caches:
             key_cache.index_fill_(0, index, 0)
             value_cache.index_fill_(0, index, 0)

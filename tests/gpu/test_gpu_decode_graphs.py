@@ -126,3 +126,71 @@ def test_plain_greedy_steps_take_the_graphs_own_picks_with_the_samplers_tokens_a
         assert (len(sampled_steps) > 2) == through_sampler, sampled_steps
     graphs = graphed.runner.decode_graphs
     assert graphs.captured(len(batch), with_adapters=False) is not None
+
+
+def counting_launches(engine) -> dict[str, int]:
+    counts = {"launched": 0, "chained": 0}
+    launch = engine.runner.launch
+
+    def counted(*args):
+        counts["launched"] += 1
+        counts["chained"] += args[-1] is not None
+        return launch(*args)
+
+    engine.runner.launch = counted
+    return counts
+
+
+def test_overlapped_graph_steps_give_the_tokens_of_steps_one_at_a_time():
+    """Launched steps take their input tokens from the last replay's picks on the device (engine/overlap.py):
+    greedy tokens equal eager steps' and graphs read one at a time, for requests ending by length and by a stop
+    token at different steps, over adapters of mixed ranks."""
+    ours, config = llama(torch.float32)
+    kw = dict(device=DEVICE, dtype=torch.float32, max_active_adapters=8)
+    overlapped = engine_for(ours, config, **kw)
+    one_at_a_time = engine_for(ours, config, overlap_steps=False, **kw)
+    eager = engine_for(ours, config, cuda_graphs=False, **kw)
+    assert overlapped._overlap and not one_at_a_time._overlap and not eager._overlap
+    adapters = adapters_for(overlapped, 8)
+    batch = prompts(24, config.vocab_size, seed=4)
+    used = [adapters[i % 8] if i % 3 else None for i in range(24)]
+    lengths = [SamplingParams(max_new_tokens=1 + i % 16, ignore_eos=True) for i in range(24)]
+    first = [r.token_ids for r in eager.generate(batch, lengths, adapters=used)]
+    # Every third request stops at its fourth token (when it has one) instead.
+    params = [SamplingParams(max_new_tokens=16, stop_token_ids=(t[3],)) if i % 3 == 0 and len(t) > 4 else sp
+              for i, (t, sp) in enumerate(zip(first, lengths))]
+    expected = [(r.token_ids, r.finish_reason) for r in eager.generate(batch, params, adapters=used)]
+    assert sum(reason == "eos_token" for _, reason in expected) >= 4
+    counts = counting_launches(overlapped)
+    for engine in (overlapped, one_at_a_time):
+        assert [(r.token_ids, r.finish_reason) for r in engine.generate(batch, params, adapters=used)] == expected
+        assert not engine.has_unfinished and engine.scheduler.allocator.num_used == 0
+    assert counts["chained"] >= 10, counts
+
+
+def test_a_row_turning_non_finite_in_a_launched_step_fails_alone():
+    """An adapter poisoned in its slot mid-flight: the launched steps' non-finite rows fail their request when
+    read; the others keep their tokens."""
+    from tests.gpu.test_gpu_isolation import poisoned
+
+    ours, config = llama(torch.float32)
+    kw = dict(device=DEVICE, dtype=torch.float32, max_active_adapters=4)
+    engine, reference = engine_for(ours, config, **kw), engine_for(ours, config, overlap_steps=False, **kw)
+    adapters = adapters_for(engine, 3)
+    batch = prompts(6, config.vocab_size, seed=5)
+    used = [adapters[0], None, adapters[1], adapters[2], None, adapters[0]]  # adapters[2]: the victim's alone
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    expected = [r.token_ids for r in reference.generate(batch, params, adapters=used)]
+    counts = counting_launches(engine)
+    requests = [engine.add_request(p, params, adapter=a) for p, a in zip(batch, used)]
+    finals = {}
+    for step in range(100):
+        if step == 3:
+            engine.lora.install(requests[3].adapter_slot, poisoned(adapters[2], adapters[2].key, "b", float("nan")))
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+        if not engine.has_unfinished:
+            break
+    assert counts["chained"] >= 3
+    assert "non-finite" in (finals[requests[3].request_id].error or "")
+    assert [finals[r.request_id].token_ids for i, r in enumerate(requests) if i != 3] == expected[:3] + expected[4:]
+    assert engine.scheduler.allocator.num_used == 0

@@ -94,9 +94,12 @@ def test_merges_with_a_non_finite_adapter_are_refused(shipped, poisoned):
             merge_adapters("m", [shipped["name-lyra"], poisoned[name]], [0.5, 0.5])
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_poisoned_adapters_change_no_other_request_during_or_after(embedded, good_jobs, solo, shipped, poisoned, form):
-    engine = Engine(embedded, EngineConfig(device="cpu", max_batch_total_tokens=4096, max_active_adapters=12))
+@pytest.mark.parametrize("form, overlap", [("segments", False), ("stacked", False), ("segments", True)])
+def test_poisoned_adapters_change_no_other_request_during_or_after(embedded, good_jobs, solo, shipped, poisoned, form,
+                                                                  overlap):
+    """With overlapped steps (engine/overlap.py) the late poison fails its requests when a launched step is read."""
+    engine = Engine(embedded, EngineConfig(device="cpu", max_batch_total_tokens=4096, max_active_adapters=12,
+                                           overlap_steps=overlap))
     engine.runner.stacked_rows_per_segment = FORMS[form]
     stacked_steps = count_stacked_steps(engine)
     prompt = good_jobs[0][0]
