@@ -31,12 +31,24 @@ def decode_ms_per_step(engine: Engine, adapters, rows: int, distinct: int, promp
     scheduler = engine.scheduler
     while any(r.num_computed_tokens < len(r.prompt_ids) for r in [*scheduler.running, *scheduler.waiting]):
         engine.step()
+    # Steps the scheduler planned, not calls: with overlapped steps the last call only reads the last step's tokens.
+    steps, schedule = 0, engine.scheduler.schedule
+
+    def counted():
+        nonlocal steps
+        plan = schedule()
+        steps += bool(plan.scheduled)
+        return plan
+
     torch.cuda.synchronize()
-    started, steps = time.perf_counter(), 0
-    while engine.has_unfinished:
-        engine.step()
-        steps += 1
-    torch.cuda.synchronize()
+    started = time.perf_counter()
+    engine.scheduler.schedule = counted
+    try:
+        while engine.has_unfinished:
+            engine.step()
+        torch.cuda.synchronize()
+    finally:
+        engine.scheduler.schedule = schedule
     return (time.perf_counter() - started) / steps * 1e3
 
 

@@ -109,15 +109,17 @@ class TorchAttentionBackend:
 
     Decode rows (one new token per sequence) are batched into one SDPA call over a padded gather;
     prefill sequences are computed one at a time (a fresh prompt needs no gather at all).
-    Cache layout per layer: (keys, values), each [num_blocks, block_size, Hkv, D].
+    Cache layout per layer: (keys, values), each [num_blocks, block_size, Hkv, D], views of one pool
+    [layers, 2, num_blocks, ...] per allocation (so that `clear_blocks` zeroes a block in every layer at once).
     """
 
+    def __init__(self) -> None:
+        self._pools: list[torch.Tensor] = []
+
     def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        return [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
+        pool = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self._pools.append(pool)
+        return [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
 
     def clear_blocks(self, kv_caches, block_ids):
         if not block_ids:
@@ -127,9 +129,21 @@ class TorchAttentionBackend:
         # launches decode steps ahead, engine/overlap.py), and the GPU would then wait for the host.
         index = torch.tensor(list(block_ids), dtype=torch.long, pin_memory=device.type == "cuda")
         index = index.to(device, non_blocking=True)
+        pool = self._pool_of(kv_caches)
+        if pool is not None:  # one launch for every layer
+            pool.index_fill_(2, index, 0)
+            return
         for key_cache, value_cache in kv_caches:
             key_cache.index_fill_(0, index, 0)
             value_cache.index_fill_(0, index, 0)
+
+    def _pool_of(self, kv_caches) -> torch.Tensor | None:
+        """The pool `kv_caches` are all the layers of, if they are (as `allocate_kv_cache` returned them)."""
+        pool = kv_caches[0][0]._base
+        if (any(pool is p for p in self._pools) and pool.shape[0] == len(kv_caches)
+                and all(k._base is pool and v._base is pool for k, v in kv_caches)):
+            return pool
+        return None
 
     def forward(self, layer, q, k, v, kv_cache, md):
         key_cache, value_cache = kv_cache
