@@ -21,7 +21,7 @@ from loraplex.engine.image_states import with_state_layout
 from loraplex.engine.images import ImageInputs
 from loraplex.engine.kv_cache import blocks_for
 from loraplex.engine.loading import LoadedModel, load_model
-from loraplex.engine.overlap import PENDING, InFlight, drop_placeholders, hold_places
+from loraplex.engine.overlap import PENDING, InFlight, drop_placeholders, in_flight
 from loraplex.engine.prefix_cache import root_key
 from loraplex.engine.request import FinishReason, Request, RequestRefused, RequestStatus
 from loraplex.engine.decode_graphs import BATCH_SIZES as GRAPH_BATCH_SIZES
@@ -398,18 +398,19 @@ class Engine:
         except Exception:  # noqa: BLE001
             log.warning("launching a decode step failed; it runs without overlap", exc_info=True)
             return None
-        return InFlight(plan, launched, hold_places(plan.scheduled, self.max_total_tokens))
+        return in_flight(plan, launched, self.max_total_tokens)
 
-    def _land(self, in_flight: InFlight) -> list[RequestOutput]:
+    def _land(self, step: InFlight) -> list[RequestOutput]:
         """Read a launched step's tokens into its requests (those that left the engine meanwhile are skipped)."""
-        results = self.runner.land(in_flight.launched)
+        results = self.runner.land(step.launched)
         now = time.monotonic()
         outputs = []
-        for item, result, place in zip(in_flight.plan.scheduled, results, in_flight.places):
+        for item, result, place, computed in zip(step.plan.scheduled, results, step.places, step.computed):
             request = item.request
             if request.finished:  # aborted, or ended when the step before was read
                 continue
             if result.error is not None:
+                request.num_computed_tokens = computed  # what this step wrote is not kept (nor cached)
                 outputs.append(self._fail(request, result.error))
             else:
                 outputs.append(self._append_token(request, result.tokens[0], now, place))

@@ -46,17 +46,25 @@ class LaunchedStep:
 
 @dataclass
 class InFlight:
-    """The engine's record of a launched step: its plan, the runner's handle, and where each request's token goes
-    (an index into its output_ids, or None: appended when read, the token that ends it by length)."""
+    """The engine's record of a launched step: its plan, the runner's handle, where each request's token goes (an
+    index into its output_ids, or None: appended when read, the token that ends it by length), and each request's
+    computed tokens before the step (a request whose row fails goes back to them: its keys and values from there
+    on are not kept, in the prefix cache either)."""
 
     plan: "SchedulerOutput"
     launched: LaunchedStep
     places: list[int | None]
+    computed: list[int]
 
 
-def hold_places(scheduled: "list[ScheduledRequest]", max_total_tokens: int) -> list[int | None]:
-    """Count each launched request's token as computed and give it a placeholder, unless the token must end the
-    request by length; returns where each token will go (see InFlight.places)."""
+def in_flight(plan: "SchedulerOutput", launched: LaunchedStep, max_total_tokens: int) -> InFlight:
+    """The record of a step just launched; each of its requests counts its token as computed and holds a placeholder
+    for it, unless the token must end the request by length."""
+    computed = [item.request.num_computed_tokens for item in plan.scheduled]
+    return InFlight(plan, launched, _hold_places(plan.scheduled, max_total_tokens), computed)
+
+
+def _hold_places(scheduled: "list[ScheduledRequest]", max_total_tokens: int) -> list[int | None]:
     places: list[int | None] = []
     for item in scheduled:
         request = item.request

@@ -159,3 +159,28 @@ def test_blocks_enter_the_prefix_cache_with_their_tokens_not_placeholders(make_e
     cold = make_engine(overlap_steps=False, prefix_caching=False).generate([follow_up], SamplingParams(max_new_tokens=8))
     assert again.token_ids == cold[0].token_ids
     check_all_back(engine)
+
+
+def test_a_row_failing_in_a_launched_step_leaves_nothing_it_wrote_in_the_prefix_cache(make_engine, prompts):
+    """The failed step's key and value filled a block (registered as the step was planned): the block leaves the
+    cache with the request, so a later request with the same tokens computes it again."""
+    engine = make_engine(overlap_steps=True, block_size=4)
+    prompt = (prompts[0] + prompts[2])[:7]  # positions 0-6: the first decode step writes 7, the end of block 1
+    assert len(prompt) == 7
+    victim = engine.add_request(prompt, SamplingParams(max_new_tokens=10))
+    land = engine.runner.land
+
+    def failing(launched):  # the first launched step's row fails
+        engine.runner.land = land
+        return [type(result)(error="the row failed") for result in land(launched)]
+
+    engine.runner.land = failing
+    outputs = []
+    while engine.has_unfinished:
+        outputs += engine.step()
+    assert outputs[-1].error == "the row failed" and len(victim.output_ids) == 1
+    hits_before = engine.scheduler.prefix_hits
+    again = engine.generate([prompt + victim.output_ids + [5, 6, 7]], SamplingParams(max_new_tokens=2))[0]
+    assert again.error is None
+    assert engine.scheduler.prefix_hits - hits_before == 4  # block 0 only: block 1 held the failed step's write
+    check_all_back(engine)
