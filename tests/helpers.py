@@ -304,3 +304,17 @@ def image_model_logits(engine, token_ids: list[int], images=None) -> torch.Tenso
         logits = engine.runner.model.compute_logits(runner._forward(scheduled, batch, None)).float()
     engine.abort_request(request.request_id)
     return logits
+
+
+def counting_launches(engine) -> dict[str, int]:
+    """Counts the engine's launched decode steps (engine/overlap.py), and those chained to a step still in flight."""
+    counts = {"launched": 0, "chained": 0}
+    launch = engine.runner.launch
+
+    def counted(*args):
+        counts["launched"] += 1
+        counts["chained"] += args[-1] is not None
+        return launch(*args)
+
+    engine.runner.launch = counted
+    return counts

@@ -374,9 +374,9 @@ class Engine:
             self._in_flight = self._launch(plan, landing)
         if landing is not None:
             outputs += self._land(landing)
-        if self._in_flight is None:
-            # Requests that ended when the launched step was read drop out of the plan (their KV blocks are free).
-            plan.scheduled = [item for item in plan.scheduled if not item.request.finished]
+        if self._in_flight is None:  # not launched: it runs now
+            if landing is not None:  # without the requests that ended when the step in flight was read
+                plan.scheduled = [item for item in plan.scheduled if not item.request.finished]
             if plan.scheduled:
                 outputs += self._execute(plan)
         return outputs

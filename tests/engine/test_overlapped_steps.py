@@ -13,6 +13,7 @@ import pytest
 from loraplex.engine.overlap import PENDING
 from loraplex.lora.store import AdapterStore
 from loraplex.params import SamplingParams
+from tests.helpers import counting_launches
 
 ADAPTERS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "adapters"
 TEXTS = ("The capital of France is", "1, 2, 3, 4,", "Once upon a time", "Hello", "Name a colour:", "def main():")
@@ -45,20 +46,6 @@ def params_mix() -> list[SamplingParams]:
 
 def finals(outputs) -> list[tuple]:
     return [(o.token_ids, o.generated_text, o.finish_reason, o.error) for o in outputs]
-
-
-def counting_launches(engine) -> dict[str, int]:
-    """Counts the engine's launches, and those chained to a step still in flight."""
-    counts = {"launched": 0, "chained": 0}
-    launch = engine.runner.launch
-
-    def counted(*args):
-        counts["launched"] += 1
-        counts["chained"] += args[-1] is not None
-        return launch(*args)
-
-    engine.runner.launch = counted
-    return counts
 
 
 def check_all_back(engine) -> None:

@@ -10,7 +10,7 @@ import torch
 from benchmarks.adapters import AdapterSpec, random_adapter
 from loraplex.params import SamplingParams
 from tests.gpu.test_gpu_parity import DEVICE, SMOLLM2_SHAPE
-from tests.helpers import engine_for, load_ours, ours_from_hf, tiny_hf_model, tiny_mpt
+from tests.helpers import counting_launches, engine_for, load_ours, ours_from_hf, tiny_hf_model, tiny_mpt
 
 if not torch.cuda.is_available():
     pytest.fail("tests/gpu needs a CUDA device", pytrace=False)
@@ -126,19 +126,6 @@ def test_plain_greedy_steps_take_the_graphs_own_picks_with_the_samplers_tokens_a
         assert (len(sampled_steps) > 2) == through_sampler, sampled_steps
     graphs = graphed.runner.decode_graphs
     assert graphs.captured(len(batch), with_adapters=False) is not None
-
-
-def counting_launches(engine) -> dict[str, int]:
-    counts = {"launched": 0, "chained": 0}
-    launch = engine.runner.launch
-
-    def counted(*args):
-        counts["launched"] += 1
-        counts["chained"] += args[-1] is not None
-        return launch(*args)
-
-    engine.runner.launch = counted
-    return counts
 
 
 def test_overlapped_graph_steps_give_the_tokens_of_steps_one_at_a_time():
