@@ -139,6 +139,11 @@ def _by_position(by_row: list[StepResult], order: list[int]) -> list[StepResult]
     return by_position
 
 
+def _all_decoding(scheduled: list[ScheduledRequest]) -> bool:
+    """Every request computes one token and samples the next (no prefill, no drafts)."""
+    return all(item.num_new_tokens == 1 and item.completes_sequence and not item.num_drafts for item in scheduled)
+
+
 def _token_of(result: StepResult) -> int:
     """The token a launched row picked (any token when the row failed: its request ends when it is read)."""
     return result.tokens[0].token_id if result.tokens else 0
@@ -236,11 +241,7 @@ class ModelRunner:
         """Whether the step can be launched before the host knows its input tokens: every request decodes one
         token, its plain argmax (then the step's picks on the device are its tokens), as a CUDA graph where
         graphs run."""
-        if self.decode_graphs is not None:
-            decoding = self._graphable(scheduled)
-        else:
-            decoding = all(item.num_new_tokens == 1 and item.completes_sequence and not item.num_drafts
-                           for item in scheduled)
+        decoding = self._graphable(scheduled) if self.decode_graphs is not None else _all_decoding(scheduled)
         return decoding and self._plain_argmax([item.request for item in scheduled])
 
     @torch.inference_mode()
@@ -310,9 +311,7 @@ class ModelRunner:
     def _graphable(self, scheduled: list[ScheduledRequest]) -> bool:
         """Whether this step runs as a CUDA graph: every request decodes one token (no prefill, no drafts)."""
         graphs = self.decode_graphs
-        return (graphs is not None and len(scheduled) <= graphs.max_batch
-                and all(item.num_new_tokens == 1 and item.completes_sequence and not item.num_drafts
-                        for item in scheduled))
+        return graphs is not None and len(scheduled) <= graphs.max_batch and _all_decoding(scheduled)
 
     def _execute_graphed(self, scheduled: list[ScheduledRequest]) -> list[StepResult]:
         requests = [item.request for item in scheduled]
