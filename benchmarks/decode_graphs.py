@@ -23,6 +23,19 @@ from loraplex.params import SamplingParams
 CASES = [(1, 0, 256), (1, 1, 256), (32, 0, 256), (32, 8, 256), (64, 0, 1000), (64, 64, 1000)]
 
 
+# Every case's prompts in one prefill step (64 x 1,000 tokens): with the default budget (4,096 tokens a step) the
+# first requests decode while the last are prefilled, finish first, and the timed steps run fewer rows.
+PREFILL_ALL = 64 * 1024
+
+
+def engine_for(loaded, **overrides) -> Engine:
+    """The engine every case runs on: up to 64 requests of up to 1,200 tokens, 64 adapter slots of rank 16."""
+    return Engine(loaded, EngineConfig(
+        device="cuda", max_batch_total_tokens=64 * 1200, max_num_seqs=64, max_input_length=1024, max_total_tokens=1200,
+        max_active_adapters=64, max_lora_rank=16, prefix_caching=False, max_batch_prefill_tokens=PREFILL_ALL,
+        **overrides))
+
+
 def decode_ms_per_step(engine: Engine, adapters, rows: int, distinct: int, prompt_len: int, new_tokens: int) -> float:
     for i in range(rows):
         prompt = [3 + (i * 7 + j) % 1000 for j in range(prompt_len)]
@@ -58,9 +71,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     args = p.parse_args()
     loaded = llama_8b(torch.device("cuda"), args.layers, torch.bfloat16)
-    engines = {graphs: Engine(loaded, EngineConfig(
-        device="cuda", max_batch_total_tokens=64 * 1200, max_num_seqs=64, max_input_length=1024, max_total_tokens=1200,
-        max_active_adapters=64, max_lora_rank=16, prefix_caching=False, cuda_graphs=graphs)) for graphs in (True, False)}
+    engines = {graphs: engine_for(loaded, cuda_graphs=graphs) for graphs in (True, False)}
     adapters = [random_adapter(f"a{i}", engines[True].lora.base_shapes, AdapterSpec(), 16, i) for i in range(64)]
     # Warm-up: captures, kernel compiles. As long as the timed runs: a short one can finish its requests while
     # others are still prefilled (mixed steps), never reaching the full batch's bucket, whose capture would then

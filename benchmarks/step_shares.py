@@ -16,10 +16,8 @@ import time
 import torch
 
 from benchmarks.adapters import AdapterSpec, random_adapter
-from benchmarks.decode_graphs import decode_ms_per_step
+from benchmarks.decode_graphs import decode_ms_per_step, engine_for
 from benchmarks.random_models import llama_8b
-from loraplex.config import EngineConfig
-from loraplex.engine.engine import Engine
 
 CASES = [(1, 0, 256), (1, 1, 256), (32, 8, 256), (64, 0, 1000), (64, 64, 1000)]
 
@@ -39,9 +37,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=24)
     args = p.parse_args()
     loaded = llama_8b(torch.device("cuda"), 32, torch.bfloat16)
-    engine = Engine(loaded, EngineConfig(
-        device="cuda", max_batch_total_tokens=64 * 1200, max_num_seqs=64, max_input_length=1024, max_total_tokens=1200,
-        max_active_adapters=64, max_lora_rank=16, prefix_caching=False))
+    engine = engine_for(loaded)
     adapters = [random_adapter(f"a{i}", engine.lora.base_shapes, AdapterSpec(), 16, i) for i in range(64)]
     print(f"{loaded.model_id}, load average {os.getloadavg()[0]:.1f}")
     for rows, distinct, prompt_len in CASES:

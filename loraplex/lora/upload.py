@@ -6,6 +6,12 @@ and allocations per adapter. With 1,000 adapters wanted through 128 slots that c
 steps themselves (the online benchmark's profile, docs/benchmarks.md). Now it is one pass over the host tensors
 into a staging buffer (pinned on CUDA, so the copy does not block the host) and one copy.
 
+On CUDA that copy runs on a side stream: installs happen while a decode step is in flight (engine/overlap.py),
+and a copy queued behind that step on the main stream would make the next step wait for both in turn. The main
+stream waits for the copy on the device (the host never does); the weights' buffer is allocated on the side stream,
+so it cannot be a block a running step still reads, and is marked as used by the main stream, so its memory is not
+handed out again before the steps that read it are done.
+
 Each tensor starts at a multiple of `ALIGN` elements of the buffer, so its address is 16-byte aligned, as the
 per-row kernels need (`SlotPointers` checks); B is handed back as B.T's transposed view, the layout they read.
 """
@@ -45,47 +51,44 @@ def _placed(buffer: torch.Tensor, offsets: tuple[int, int], w: LoraWeights) -> t
 
 
 class AdapterUploader:
-    """Copies adapters to `device` in `dtype`, one buffer each. Owns the host staging buffer, reused across
-    uploads (the next upload waits for the previous copy out of it to finish)."""
+    """Copies adapters to `device` in `dtype`, one buffer each."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
         self._staged = device.type != "cpu"  # on the CPU the layout is written straight into the weights' buffer
         self._pinned = device.type == "cuda"
-        self._staging = torch.empty(0, dtype=dtype)
-        self._copied: torch.cuda.Event | None = None  # the last copy out of the staging buffer
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # where the copies run
 
     def upload(self, modules: Mapping[str, LoraWeights]) -> dict[str, LoraWeights]:
         """The weights of `modules` on the device: views of one fresh allocation, laid out for the kernels."""
         offsets, length = layout(modules)
-        buffer = torch.empty(length, dtype=self.dtype, device=self.device)
         # Weights already on a GPU (a benchmark's, built there) are laid out there: no round trip through the host.
         staged = self._staged and any(t.is_cpu for w in modules.values() for t in (w.a, w.b))
-        staging = self._staging_of(length) if staged else buffer
+        # A fresh pinned buffer per upload: the caching host allocator reuses it only once its copy is done.
+        target = torch.empty(length, dtype=self.dtype, pin_memory=self._pinned) if staged else \
+            torch.empty(length, dtype=self.dtype, device=self.device)
         for name, w in modules.items():
-            a, b_t = _placed(staging, offsets[name], w)
+            a, b_t = _placed(target, offsets[name], w)
             a.copy_(w.a)
             b_t.copy_(w.b.t())
-        if staged:
-            buffer.copy_(staging[:length], non_blocking=self._pinned)
-            if self._pinned:
-                self._copied = torch.cuda.Event()
-                self._copied.record()
+        buffer = self._to_device(target) if staged else target
         uploaded = {}
         for name, w in modules.items():
             a, b_t = _placed(buffer, offsets[name], w)
             uploaded[name] = LoraWeights(a, b_t.t(), w.scale)
         return uploaded
 
-    def _staging_of(self, length: int) -> torch.Tensor:
-        """The staging buffer, at least `length` long, once the previous copy out of it is done."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
-        if self._staging.numel() < length:
-            self._staging = torch.empty(max(length, 2 * self._staging.numel()), dtype=self.dtype,
-                                        pin_memory=self._pinned)
-        return self._staging
+    def _to_device(self, staging: torch.Tensor) -> torch.Tensor:
+        """`staging` copied to a fresh device buffer; on CUDA, on the side stream (see the module's notes)."""
+        if self.stream is None:
+            return staging.to(self.device)
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            buffer = torch.empty_like(staging, device=self.device)
+            buffer.copy_(staging, non_blocking=True)
+        main.wait_stream(self.stream)
+        buffer.record_stream(main)
+        return buffer
 
 
 def laid_out(weights: LoraWeights) -> LoraWeights:

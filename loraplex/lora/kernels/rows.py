@@ -22,7 +22,7 @@ from loraplex.lora.adapter import LoraWeights
 
 class SlotPointers:
     """Device tables, per layer (in `names` order) and slot: `pointers` [L, S, 2] int64 (A's and B's data
-    pointers), `ranks` [L, S] int32, `scales` [L, S] float32. Host copies are the ones written; `sync` copies
+    pointers), `ranks` [L, S] int32, `scales` [L, S] float32. Host copies are the ones written; `set_slot` copies
     them to the device in one go."""
 
     def __init__(self, names: Sequence[str], num_slots: int, device: torch.device) -> None:
@@ -50,8 +50,12 @@ class SlotPointers:
         host_pointers[:, slot] = torch.tensor([a_at, b_at], dtype=torch.int64).t()
         host_ranks[:, slot] = torch.tensor(ranks, dtype=torch.int32)
         host_scales[:, slot] = torch.tensor(scales, dtype=torch.float32)
+        # From a pinned snapshot, without blocking: a step may be in flight (engine/overlap.py), and a copy from
+        # pageable memory would make the host wait for it. Queued on the stream, the copy lands after that step
+        # (which keeps the entries it was launched with) and before the next.
         for device_table, host_table in zip((self.pointers, self.ranks, self.scales), self._host):
-            device_table.copy_(host_table)
+            snapshot = host_table.pin_memory() if device_table.is_cuda else host_table
+            device_table.copy_(snapshot, non_blocking=device_table.is_cuda)
         targeted = (host_ranks != 0).any(dim=1).tolist()
         self.targeted = frozenset(name for name, i in self.index.items() if targeted[i])
 
