@@ -53,7 +53,7 @@ import torch
 from benchmarks import roofline
 from benchmarks.adapters import AdapterSpec, PEFTMixed, adapter_from_peft, make_peft_model, random_adapter
 from benchmarks.offline import Loraplex, Measurement, measure
-from benchmarks.online import format_online, online_workload, run_online
+from benchmarks.online import format_online, online_workload, run_online, warm_decode_graphs
 from benchmarks.peers import HFBatched
 from benchmarks.workload import Workload, equal_workload, round_robin
 from loraplex.config import EngineConfig, ModelConfig
@@ -335,6 +335,8 @@ def bench_online(args, loaded: LoadedModel) -> list:
                            (args.prompt_lens[0], min(32, args.prompt_lens[1])), (2, 4), special, args.seed + 1)
     warm = dataclasses.replace(warm, adapter_ranks=list(range(args.num_adapters)))
     run_online(engine, warm, adapters, "warm-up")
+    captured = warm_decode_graphs(engine, adapters, c.vocab_size, special)
+    print(f"  online: warm-up captured {captured} decode graphs", file=sys.stderr, flush=True)
     results = []
     # The same arrivals three ways: over every adapter, all on one adapter (the 1,000-adapters-vs-one
     # ratio), and on the base model.
