@@ -59,6 +59,21 @@ def test_smoke_run_prints_every_table_and_writes_json(smoke_run, capsys):
     assert all(o["ttft_p50"] <= o["ttft_p99"] and o["tpot_p50"] > 0 for o in online)
 
 
+def test_online_repeats_take_turns_and_keep_each_systems_shortest_run(smoke_run, capsys):
+    assert gpu.main(["--smoke", "--workloads", "online", "--repeats", "2", "--json", str(smoke_run)]) == 0
+    captured = capsys.readouterr()
+    assert "best of 2 runs per system, taking turns" in captured.out
+    runs = [line.split(": ")[1] for line in captured.err.splitlines() if line.startswith("  online: loraplex")]
+    assert runs == ["loraplex, 4 adapters / 4 slots", "loraplex, one adapter", "loraplex, base model"] * 2
+    timed = {}
+    for line in captured.err.splitlines():
+        if line.startswith("  online: loraplex"):
+            label, seconds = line.removeprefix("  online: ").rsplit(": ", 1)
+            timed.setdefault(label, []).append(float(seconds.removesuffix("s")))
+    kept = json.loads(smoke_run.read_text())["workloads"]["online"]
+    assert [round(o["makespan_s"], 1) for o in kept] == [min(t) for t in timed.values()]
+
+
 def test_roofline_bytes_of_a_decode_step():
     loaded = gpu.build_model("135m", torch.device("cpu"), torch.float32, 2, smoke=True)  # tied head
     c, model = loaded.config, loaded.model
