@@ -317,8 +317,8 @@ def _biased_mask(bias: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) 
 class TritonAttentionBackend(TorchAttentionBackend):
     """CUDA: decode rows attend to the paged cache in place (`layers/kernels/paged_decode.py`: GQA, sliding
     windows, ALiBi), with no gather into a padded copy; fresh prompts attend in one variable-length FlashAttention
-    launch per layer (`layers/kernels/varlen_prefill.py`). Resumed prompts, score biases, encoder and
-    cross-attention, and decode under T5's relative position bias are the torch reference's."""
+    launch per layer, prompts resumed over cached context in another (`layers/kernels/varlen_prefill.py`). Score
+    biases, encoder and cross-attention, and decode under T5's relative position bias are the torch reference's."""
 
     @staticmethod
     def _write_kv(key_cache, value_cache, slots, k, v) -> None:
@@ -329,23 +329,30 @@ class TritonAttentionBackend(TorchAttentionBackend):
         TorchAttentionBackend._write_kv(key_cache, value_cache, slots, k, v)
 
     def _prefill_seqs(self, layer, q, k, v, key_cache, value_cache, md, seqs, out) -> None:
-        """Fresh prompts (nothing cached before them) in one variable-length launch where the kernel runs and the
-        layer adds no score bias; the others as the reference does."""
-        from loraplex.layers.kernels.varlen_prefill import causal_varlen, varlen_usable
+        """Fresh prompts (nothing cached before them) in one variable-length launch and prompts resumed over cached
+        context in another, where the kernel runs and the layer adds no score bias; the others as the reference
+        does."""
+        from loraplex.layers.kernels.varlen_prefill import causal_varlen, resumed_varlen_usable, varlen_usable
 
         if not seqs or layer.has_score_bias or not varlen_usable(q, layer.num_kv_heads):
             return super()._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, seqs, out)
+        window = layer.sliding_window
         fresh = _fresh_prompts(md, q.device)
-        if fresh is None:
-            return super()._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, seqs, out)
-        rows = fresh.rows
-        attended = causal_varlen(q[rows], k[rows], v[rows], fresh.cu_seqlens, fresh.max_len, layer.scale,
-                                 layer.sliding_window)
-        if isinstance(rows, slice):
-            out[rows] = attended
-        else:
-            out.index_copy_(0, rows, attended)
-        super()._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, fresh.others, out)
+        if fresh is not None:
+            rows, cu = fresh.rows, fresh.cu_seqlens
+            _put(out, rows, causal_varlen(q[rows], k[rows], v[rows], cu, cu, fresh.max_len, fresh.max_len,
+                                          layer.scale, window))
+        others = fresh.others if fresh is not None else list(seqs)
+        if others and resumed_varlen_usable(q, layer.num_kv_heads):
+            resumed = _resumed_prompts(md, others, key_cache.shape[1], q.device)
+            num_kv_heads, head_dim = key_cache.shape[2:]
+            keys = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, resumed.key_slots)
+            values = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, resumed.key_slots)
+            _put(out, resumed.rows, causal_varlen(q[resumed.rows], keys, values, resumed.cu_seqlens_q,
+                                                  resumed.cu_seqlens_k, resumed.max_len_q, resumed.max_len_k,
+                                                  layer.scale, window))
+            others = []
+        super()._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, others, out)
 
     def _decode(self, layer, q, key_cache, value_cache, md, g):
         if layer.position_bias is not None:
@@ -371,6 +378,20 @@ class _FreshPrompts:
     others: list[int]
 
 
+@dataclass(frozen=True)
+class _ResumedPrompts:
+    """Prefill sequences over cached context: their new rows (as `_FreshPrompts.rows`), every key's flat cache slot
+    (sequence after sequence, each from its first position: context, then the new rows, which the layer wrote
+    before attending), and the offsets (int32, on the device) and longest lengths of their queries and keys."""
+
+    rows: slice | torch.Tensor
+    key_slots: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_len_q: int
+    max_len_k: int
+
+
 def _fresh_prompts(md: AttentionMetadata, device: torch.device) -> _FreshPrompts | None:
     """Computed once per step (every layer shares it); None when no prompt is fresh."""
     if "fresh prompts" not in md.step_cache:
@@ -379,18 +400,54 @@ def _fresh_prompts(md: AttentionMetadata, device: torch.device) -> _FreshPrompts
             (fresh if lens[s] == starts[s + 1] - starts[s] else others).append(s)
         found = None
         if fresh:
-            offsets = [0]
-            for s in fresh:
-                offsets.append(offsets[-1] + lens[s])
-            contiguous = all(starts[b] == starts[a + 1] for a, b in zip(fresh, fresh[1:]))
-            if contiguous:
-                rows = slice(starts[fresh[0]], starts[fresh[-1] + 1])
-            else:
-                rows = torch.tensor([r for s in fresh for r in range(starts[s], starts[s + 1])], device=device)
-            cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=device)
-            found = _FreshPrompts(rows, cu_seqlens, max(lens[s] for s in fresh), others)
+            cu_seqlens = torch.tensor(_offsets([lens[s] for s in fresh]), dtype=torch.int32, device=device)
+            found = _FreshPrompts(_rows_of(md, fresh, device), cu_seqlens, max(lens[s] for s in fresh), others)
         md.step_cache["fresh prompts"] = found
     return md.step_cache["fresh prompts"]
+
+
+def _resumed_prompts(md: AttentionMetadata, seqs: list[int], block_size: int, device: torch.device) -> _ResumedPrompts:
+    """Computed once per step, for `seqs` (the same for every layer)."""
+    if "resumed prompts" not in md.step_cache:
+        starts, lens = md.query_start_loc, md.seq_lens
+        new = [starts[s + 1] - starts[s] for s in seqs]
+        total = [lens[s] for s in seqs]
+        cu_q, cu_k = _offsets(new), _offsets(total)
+        n = len(seqs)
+        # Key j of the run is position j - cu_k[i] of sequence i, in block position // block_size of its table.
+        # (Each list reaches the device in one copy.)
+        seq_ids, per_key, first_key = torch.tensor([*seqs, *total, *cu_k[:-1]], device=device).split(n)
+        keys = cu_k[-1]
+        position = torch.arange(keys, device=device) - first_key.repeat_interleave(per_key, output_size=keys)
+        seq_of_key = seq_ids.repeat_interleave(per_key, output_size=keys)
+        key_slots = md.block_tables[seq_of_key, position // block_size] * block_size + position % block_size
+        cu_seqlens_q, cu_seqlens_k = torch.tensor(cu_q + cu_k, dtype=torch.int32, device=device).split(n + 1)
+        md.step_cache["resumed prompts"] = _ResumedPrompts(
+            _rows_of(md, seqs, device), key_slots, cu_seqlens_q, cu_seqlens_k, max(new), max(total))
+    return md.step_cache["resumed prompts"]
+
+
+def _offsets(lengths: list[int]) -> list[int]:
+    """[0, l0, l0 + l1, ...]"""
+    offsets = [0]
+    for length in lengths:
+        offsets.append(offsets[-1] + length)
+    return offsets
+
+
+def _rows_of(md: AttentionMetadata, seqs: list[int], device: torch.device) -> slice | torch.Tensor:
+    """The step's rows of `seqs` (in order): one slice when they are contiguous, else an index."""
+    starts = md.query_start_loc
+    if all(starts[b] == starts[a + 1] for a, b in zip(seqs, seqs[1:])):
+        return slice(starts[seqs[0]], starts[seqs[-1] + 1])
+    return torch.tensor([r for s in seqs for r in range(starts[s], starts[s + 1])], device=device)
+
+
+def _put(out: torch.Tensor, rows: slice | torch.Tensor, attended: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        out[rows] = attended
+    else:
+        out.index_copy_(0, rows, attended)
 
 
 def default_backend(device: torch.device) -> AttentionBackend:

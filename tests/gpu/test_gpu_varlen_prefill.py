@@ -1,19 +1,21 @@
-"""Fresh prompts' attention in one variable-length launch (`layers/kernels/varlen_prefill.py`) against the torch
-reference's per-sequence prefill, in a step that mixes fresh prompts (not contiguous), a resumed prompt over cached
-context and decode rows (run on a CUDA machine: `python -m pytest tests/gpu`; not in `make test`)."""
+"""Prefill attention in variable-length launches (`layers/kernels/varlen_prefill.py`: fresh prompts in one, prompts
+resumed over cached context in another) against the torch reference's per-sequence prefill, in a step that mixes
+fresh prompts (not contiguous), resumed prompts and decode rows (run on a CUDA machine: `python -m pytest
+tests/gpu`; not in `make test`)."""
 
 import pytest
 import torch
 
 from loraplex.layers.attention import PagedAttention, TorchAttentionBackend, TritonAttentionBackend
 from loraplex.layers.forward_context import AttentionMetadata, DecodeGroup
-from loraplex.layers.kernels.varlen_prefill import varlen_usable
+from loraplex.layers.kernels.varlen_prefill import resumed_varlen_usable, varlen_usable
 from tests.gpu.test_gpu_parity import DEVICE
 
 TOLERANCE = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 BLOCK = 16
-# (new rows, tokens after the step): fresh, decode, fresh, resumed over 30 cached, fresh of one row, fresh
-SEQS = [(5, 5), (1, 20), (37, 37), (10, 40), (1, 1), (70, 70)]
+# (new rows, tokens after the step): fresh, decode, fresh, resumed over 30 cached, fresh of one row, fresh, resumed
+# over 290 cached
+SEQS = [(5, 5), (1, 20), (37, 37), (10, 40), (1, 1), (70, 70), (7, 297)]
 
 
 def mixed_step(heads, kv_heads, dim, dtype, seed=0):
@@ -42,14 +44,16 @@ def mixed_step(heads, kv_heads, dim, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(32, 8, 128), (9, 3, 64), (4, 4, 32)], ids=["gqa-8b", "gqa-135m", "mha"])
 @pytest.mark.parametrize("window", [None, 8])
-def test_one_launch_matches_the_reference_prefill(dtype, shape, window):
+def test_varlen_launches_match_the_reference_prefill(dtype, shape, window):
     heads, kv_heads, dim = shape
     layer = PagedAttention(0, heads, kv_heads, dim, dim ** -0.5, sliding_window=window)
     q, k, v, cache, md = mixed_step(heads, kv_heads, dim, dtype)
     assert varlen_usable(q, kv_heads), "the variable-length kernel should run on this GPU in 16-bit floats"
+    assert resumed_varlen_usable(q, kv_heads), "its causal mask should align queries to the end of their keys"
     expected = TorchAttentionBackend().forward(layer, q, k, v, [c.clone() for c in cache], md)
     got = TritonAttentionBackend().forward(layer, q, k, v, [c.clone() for c in cache], md)
-    assert md.step_cache["fresh prompts"].others == [3]  # the resumed prompt took the reference path
+    assert md.step_cache["fresh prompts"].others == [3, 6]  # the resumed prompts took the second launch
+    assert md.step_cache["resumed prompts"].cu_seqlens_k.tolist() == [0, 40, 337]
     torch.testing.assert_close(got.float(), expected.float(), **TOLERANCE[dtype])
 
 
