@@ -12,6 +12,7 @@ their own request's cross-attention states, which live in KV blocks of the same 
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -429,10 +430,7 @@ def _resumed_prompts(md: AttentionMetadata, seqs: list[int], block_size: int, de
 
 def _offsets(lengths: list[int]) -> list[int]:
     """[0, l0, l0 + l1, ...]"""
-    offsets = [0]
-    for length in lengths:
-        offsets.append(offsets[-1] + length)
-    return offsets
+    return list(itertools.accumulate(lengths, initial=0))
 
 
 def _rows_of(md: AttentionMetadata, seqs: list[int], device: torch.device) -> slice | torch.Tensor:
