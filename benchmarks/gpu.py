@@ -24,7 +24,7 @@ all prompts in one step) and decode tokens/s (tokens after each request's first,
 against the roofline of benchmarks/roofline.py at the decode's average context. Prefix caching is off in the
 engines (a repeat would otherwise reuse its own prompts' blocks). The online engine captures every decode graph
 before timing (`online.warm_decode_graphs`); with `--repeats` its three systems take turns too, each keeping its
-shortest run.
+shortest run; `--profile DIR` writes each of its timed runs' cProfile stats there.
 
 On the H200 (bf16; the device's copy bandwidth is measured first):
 
@@ -41,6 +41,8 @@ tokens (the unit test's setting: tests/unit/test_bench_gpu_smoke.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import dataclasses
 import gc
 import json
@@ -345,14 +347,31 @@ def bench_online(args, loaded: LoadedModel) -> list:
                ("loraplex, one adapter", [adapters[0]] * args.num_adapters),
                ("loraplex, base model", None))
     best: dict[str, OnlineResult] = {}
-    for _ in range(args.repeats):
-        for label, used in systems:
-            result = run_online(engine, workload, used, label)
+    for repeat in range(args.repeats):
+        for k, (label, used) in enumerate(systems):
+            with _profiled(args.profile, f"online-{k}-{repeat}.pstats"):
+                result = run_online(engine, workload, used, label)
             print(f"  online: {label}: {result.makespan_s:.1f}s", file=sys.stderr, flush=True)
             if label not in best or result.makespan_s < best[label].makespan_s:
                 best[label] = result
     del engine
     return [best[label] for label, _ in systems]
+
+
+@contextlib.contextmanager
+def _profiled(folder: str | None, name: str):
+    """The block under cProfile, its stats written to folder/name (nothing without a folder)."""
+    if folder is None:
+        yield
+        return
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        os.makedirs(folder, exist_ok=True)
+        profiler.dump_stats(os.path.join(folder, name))
 
 
 # ---- main -------------------------------------------------------------------------------------------
@@ -383,6 +402,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-tokens", type=int, default=None,
                    help="online: KV cache tokens (default: the engine sizes it from free memory)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--profile", metavar="DIR", help="online: each timed run under cProfile, its stats written to "
+                   "DIR/online-<system>-<repeat>.pstats (systems 0, 1, 2: adapters, one adapter, base)")
     args = p.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if unknown := set(args.workloads) - set(WORKLOADS):

@@ -5,6 +5,7 @@ No speed is asserted."""
 from __future__ import annotations
 
 import json
+import pstats
 
 import pytest
 import torch
@@ -60,7 +61,12 @@ def test_smoke_run_prints_every_table_and_writes_json(smoke_run, capsys):
 
 
 def test_online_repeats_take_turns_and_keep_each_systems_shortest_run(smoke_run, capsys):
-    assert gpu.main(["--smoke", "--workloads", "online", "--repeats", "2", "--json", str(smoke_run)]) == 0
+    profiles = smoke_run.parent / "profiles"
+    assert gpu.main(["--smoke", "--workloads", "online", "--repeats", "2", "--json", str(smoke_run),
+                     "--profile", str(profiles)]) == 0
+    names = sorted(p.name for p in profiles.iterdir())
+    assert names == [f"online-{k}-{r}.pstats" for k in range(3) for r in range(2)]
+    assert "run_online" in str(pstats.Stats(str(profiles / names[0])).stats)  # each holds its run's calls
     captured = capsys.readouterr()
     assert "best of 2 runs per system, taking turns" in captured.out
     runs = [line.split(": ")[1] for line in captured.err.splitlines() if line.startswith("  online: loraplex")]
