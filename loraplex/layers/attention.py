@@ -285,17 +285,26 @@ class TorchAttentionBackend:
         if context == 0 and layer.sliding_window is None and not layer.has_score_bias:
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=layer.scale, enable_gqa=gqa)
         else:
-            q_pos = torch.arange(context, seq_len, device=q.device)[:, None]
-            k_pos = torch.arange(seq_len, device=q.device)[None, :]
-            visible = k_pos <= q_pos
-            if layer.sliding_window is not None:
-                visible &= k_pos > q_pos - layer.sliding_window
+            visible = visible_keys(num_new, seq_len, layer.sliding_window, q.device)
             mask = visible
             if layer.has_score_bias:  # [1, H, new, seq_len]
-                bias = _step_bias(layer, md, ("prefill", s), lambda: k_pos - q_pos).permute(2, 0, 1)[None]
+                q_pos = torch.arange(context, seq_len, device=q.device)[:, None]
+                distance = lambda: torch.arange(seq_len, device=q.device)[None, :] - q_pos  # noqa: E731
+                bias = _step_bias(layer, md, ("prefill", s), distance).permute(2, 0, 1)[None]
                 mask = _biased_mask(bias, visible[None, None], q.dtype)
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
         return out[0].transpose(0, 1)
+
+
+def visible_keys(num_new: int, seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[num_new, seq_len] bool: which keys the last `num_new` positions of a sequence of `seq_len` see (those at or
+    before each, at most `window` of them)."""
+    q_pos = torch.arange(seq_len - num_new, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    return visible
 
 
 def _step_bias(layer, md: AttentionMetadata, key: tuple, distance) -> torch.Tensor:

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraplex.layers.attention import PagedAttention, TorchAttentionBackend, TritonAttentionBackend, _resumed_prompts
+from loraplex.layers.attention import (PagedAttention, TorchAttentionBackend, TritonAttentionBackend, _resumed_prompts,
+                                       visible_keys)
 from loraplex.layers.forward_context import AttentionMetadata
 from loraplex.layers.kernels import varlen_prefill
 
@@ -24,11 +25,7 @@ def kernel_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
     out = torch.empty_like(q)
     for i in range(len(cu_q) - 1):
         rows, keys = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
-        n_q, n_k = rows.stop - rows.start, keys.stop - keys.start
-        q_pos, k_pos = torch.arange(n_k - n_q, n_k)[:, None], torch.arange(n_k)[None, :]
-        visible = k_pos <= q_pos
-        if window is not None:
-            visible &= k_pos > q_pos - window
+        visible = visible_keys(rows.stop - rows.start, keys.stop - keys.start, window, q.device)
         attended = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], k[keys].transpose(0, 1)[None],
                                                   v[keys].transpose(0, 1)[None], attn_mask=visible, scale=scale,
                                                   enable_gqa=True)

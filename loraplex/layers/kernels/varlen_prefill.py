@@ -70,6 +70,8 @@ def _aligned_to_the_end(device: torch.device, dtype: torch.dtype, head_dim: int,
     """Whether the kernel's causal mask (and sliding window) puts each sequence's queries at the end of its keys: two
     sequences of 1 query over 4 keys and 3 over 5, against SDPA with that mask written out (float32, from the same
     rounded values), without a window and with one of 2 keys."""
+    from loraplex.layers.attention import visible_keys  # the reference's mask
+
     g = torch.Generator(device=device).manual_seed(0)
     lens_q, lens_k = (1, 3), (4, 5)
     q = torch.randn(sum(lens_q), group, head_dim, generator=g, device=device).to(dtype)
@@ -83,9 +85,7 @@ def _aligned_to_the_end(device: torch.device, dtype: torch.dtype, head_dim: int,
             return False
         for i, (n_q, n_k) in enumerate(zip(lens_q, lens_k)):
             rows, keys = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
-            k_pos = torch.arange(n_k, device=device)[None, :]
-            q_pos = torch.arange(n_k - n_q, n_k, device=device)[:, None]
-            visible = (k_pos <= q_pos) & (k_pos > q_pos - (window or n_k))
+            visible = visible_keys(n_q, n_k, window, device)
             expected = torch.nn.functional.scaled_dot_product_attention(
                 q[rows].float().transpose(0, 1)[None], k[keys].float().transpose(0, 1)[None],
                 v[keys].float().transpose(0, 1)[None], attn_mask=visible, scale=head_dim**-0.5, enable_gqa=True)
