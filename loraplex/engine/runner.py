@@ -36,6 +36,7 @@ from loraplex.layers.forward_context import (
 )
 from loraplex.layers.kernels import triton_available
 from loraplex.layers.projections import fuse_projections
+from loraplex.lora.kernels.tiles import lora_tiles
 from loraplex.lora.layers import LoraSlots
 from loraplex.sampling import Sampler, takes_plain_argmax, token_logprobs
 
@@ -44,10 +45,6 @@ from loraplex.sampling import Sampler, takes_plain_argmax, token_logprobs
 # matmul of the segmented form costs a launch; on a CPU, a Python call and a small BLAS call.
 # `python -m benchmarks.lora_kernels` measures both forms.
 STACKED_ROWS_PER_SEGMENT = {"cuda": 64, "cpu": 16}
-# On CUDA the per-row kernels take every segment shorter than this, however many there are, in one launch pair
-# per module; longer segments (prefill) keep a matmul pair each, where a row-by-row reading of the adapter would
-# cost more than the launches. A step's prefill budget bounds how many such segments it has.
-PER_ROW_LONGEST_SEGMENT = 1024
 NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request"
 
 
@@ -207,7 +204,7 @@ class ModelRunner:
             if graphed else None
         )
         self._host_picks = HostPicks(self.decode_graphs.max_batch) if graphed else None
-        # On CUDA, short adapter segments (decode) take the per-row Triton kernels rather than the stacked form.
+        # On CUDA, the rows of several adapters take the tile kernels rather than the stacked or segmented forms.
         self.per_row_lora = lora is not None and triton_available(device)
 
     @property
@@ -486,9 +483,10 @@ class ModelRunner:
     def _lora_rows(self, slots: list[int | None], row_counts: list[int]) -> LoraRows | None:
         """Which rows use which adapter this step (None: no row does).
 
-        Many short segments (decode) use the stacked form: two matmuls per module for all adapters
-        at once instead of two per adapter; long segments (prefill) keep one pair each. On CUDA the
-        per-row kernels take the short segments of any step, beside the long segments' pairs.
+        On CUDA, the rows of several adapters take the tile kernels (lora/kernels/tiles.py): one launch pair per
+        module for all of them, each adapter read once per tile of its rows. Elsewhere many short segments
+        (decode) use the stacked form: two matmuls per module for all adapters at once instead of two per
+        adapter; long segments (prefill) keep one pair each.
         """
         segments = lora_segments(slots, row_counts)
         if not segments:
@@ -496,24 +494,15 @@ class ModelRunner:
         assert self.lora is not None, "a request has an adapter slot but the runner has no LoRA slots"
         lora = LoraRows(tokens=segments, logits=[], weights=self.lora.tables, dtype=self.lora.dtype)
         if self.per_row_lora and len(segments) > 1:
-            short = [s for s in segments if s.end - s.start < PER_ROW_LONGEST_SEGMENT]
-            if short:
-                lora.row_slots["tokens"] = self._row_slots(short, sum(row_counts))
-                lora.tokens = [s for s in segments if s.end - s.start >= PER_ROW_LONGEST_SEGMENT]
+            lora.row_slots["tokens"] = LoraRowSlots(None, self.lora.pointers, self.lora.pointers.targeted,
+                                                    self.lora.max_rank, tiles=lora_tiles(segments, self.device))
+            lora.tokens = []
             return lora
         # Each adapter's group is padded to the longest: cap the longest, which bounds the padding.
         if len(segments) > 1 and max(s.end - s.start for s in segments) <= self.stacked_rows_per_segment:
             lora.stack = self.lora.stack(tuple(sorted({s.slot for s in segments})))
             lora.groups["tokens"] = lora.stack.groups(segments, self.device)
         return lora
-
-    def _row_slots(self, segments: list[LoraSegment], num_rows: int) -> LoraRowSlots:
-        """Each token row's adapter slot (-1: the base model) for the per-row kernels."""
-        slots = [-1] * num_rows
-        for segment in segments:
-            slots[segment.start : segment.end] = [segment.slot] * (segment.end - segment.start)
-        tensor = torch.tensor(slots, dtype=torch.long, device=self.device)
-        return LoraRowSlots(tensor, self.lora.pointers, self.lora.pointers.targeted, self.lora.max_rank)
 
     def _set_logits_rows(self, lora: LoraRows | None, slots: list[int | None], row_counts: list[int]) -> None:
         """Before each compute_logits call: which of the rows handed to it use which adapter."""

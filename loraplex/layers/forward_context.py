@@ -104,14 +104,26 @@ class LoraGroups:
 
 
 @dataclass
+class LoraTiles:
+    """The tile form of per-row LoRA (lora/kernels/tiles.py): `table` [3, count] int32 on the device, each tile's
+    first row, number of rows and slot."""
+
+    table: torch.Tensor
+    count: int
+
+
+@dataclass
 class LoraRowSlots:
     """The per-row LoRA form (lora/kernels/rows.py): each row's slot, -1 for none (`slots` [T] int32), the
-    engine's slot tables (a `SlotPointers`) and the layers some slot's adapter targets (the others add nothing)."""
+    engine's slot tables (a `SlotPointers`) and the layers some slot's adapter targets (the others add nothing).
+    With `tiles` (eager steps, where prompts' rows share their adapter) the kernels take the tiles instead of
+    `slots`, which is then None."""
 
-    slots: torch.Tensor
+    slots: torch.Tensor | None
     tables: Any
     layers: frozenset[str]
     max_rank: int
+    tiles: LoraTiles | None = None
 
 
 @dataclass

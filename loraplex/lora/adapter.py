@@ -11,6 +11,7 @@ What we do not serve is refused with a message naming the field or tensor, never
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -24,6 +25,7 @@ import torch
 
 from loraplex.json_files import JsonFileError, read_json_object
 from loraplex.lora.errors import AdapterError, AdapterInvalid, AdapterNotFound
+from loraplex.lora.layout import Layout
 from loraplex.lora.patterns import MatchBudget, UserPattern
 from loraplex.safetensors_check import SafetensorsHeaderError, read_header
 
@@ -273,12 +275,16 @@ class LoraAdapter:
 
     `adapter_id` is its name for clients, logs and metrics; `key` is what the engine keys its adapters and
     device slots by: the id, unless the store holds several entries under one id (a hub adapter once per
-    token scope and revision) and gives each its own `entry_key`, so that they never share a slot."""
+    token scope and revision) and gives each its own `entry_key`, so that they never share a slot.
+
+    `flat`, when set, is one buffer that every module's A and B.T are views of, laid out as
+    `layout.Layout.of(modules)` says (`packed` makes it): an install copies it in one piece."""
 
     adapter_id: str
     modules: dict[str, LoraWeights]
     config: LoraConfig
     entry_key: str | None = None
+    flat: torch.Tensor | None = None
 
     @property
     def key(self) -> str:
@@ -296,6 +302,21 @@ class LoraAdapter:
         modules = {m: w.to(device, dtype) for m, w in self.modules.items()}
         return LoraAdapter(self.adapter_id, modules, self.config, self.entry_key)
 
+    def packed(self) -> "LoraAdapter":
+        """This adapter with its weights copied into one buffer (`flat`; the modules' dtype and device)."""
+        if not self.modules:
+            return self
+        layout = Layout.of(self.modules)
+        first = next(iter(self.modules.values()))
+        flat = torch.zeros(layout.length, dtype=first.a.dtype, device=first.a.device)  # zeros: no stray bytes in the gaps
+        modules = {}
+        for name, (a, b) in layout.views(flat).items():
+            w = self.modules[name]
+            a.copy_(w.a)
+            b.copy_(w.b)
+            modules[name] = LoraWeights(a, b, w.scale)
+        return dataclasses.replace(self, modules=modules, flat=flat)
+
     @functools.cached_property
     def fingerprint(self) -> bytes:
         """A digest of what the adapter computes (its weights and scales), not of its name: the prefix cache keys
@@ -307,7 +328,7 @@ class LoraAdapter:
             digest.update(struct.pack("<d", w.scale))
             for t in (w.a, w.b):
                 digest.update(str(tuple(t.shape)).encode())
-                digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+                digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         return digest.digest()
 
 
@@ -410,7 +431,7 @@ def adapter_from_tensors(
         weights = LoraWeights(tensors[a].float().contiguous(), tensors[b].float().contiguous(), config.scale(saved))
         check_weights(_PREFIX + module, weights)
         modules[module] = weights
-    return LoraAdapter(adapter_id, modules, config)
+    return LoraAdapter(adapter_id, modules, config).packed()
 
 
 def _check_base_copy(key: str, module: str, tensor: torch.Tensor, base_weight: BaseWeight | None) -> None:

@@ -101,20 +101,16 @@ class LoraLinear(nn.Module):
             return tuple(layer.add_to(out, x) for layer, out in zip(layers, outs))
         targeted = [(layer.name, out) for layer, out in zip(layers, outs) if layer.name in per_row.layers]
         if targeted:
-            from loraplex.lora.kernels.bgmv import add_lora_rows_siblings  # Triton: CUDA only
-
             names, targeted_outs = zip(*targeted)
-            add_lora_rows_siblings(targeted_outs, x, per_row.slots, per_row.tables, names, per_row.max_rank)
+            _add_per_row(targeted_outs, x, per_row, names)
         return tuple(outs)
 
     def _add(self, out: torch.Tensor, x: torch.Tensor, rows) -> torch.Tensor:
         """`out` plus, row by row, the delta of the row's own adapter (in place)."""
         per_row = rows.row_slots.get(self.row_kind)
-        if per_row is not None:  # the short segments' rows; the long ones (if any) are left as segments
+        if per_row is not None:  # the per-row form's rows; segments left beside it (if any) as segments
             if self.name in per_row.layers:
-                from loraplex.lora.kernels.bgmv import add_lora_rows  # Triton: CUDA only
-
-                out = add_lora_rows(out, x, per_row.slots, per_row.tables, self.name, per_row.max_rank)
+                _add_per_row([out], x, per_row, [self.name])
             segments = rows.segments(self.row_kind)
             return add_lora(out, x, segments, rows.weights[self.name]) if segments else out
         groups = rows.groups.get(self.row_kind) if rows.stack is not None else None
@@ -130,6 +126,19 @@ class LoraLinear(nn.Module):
             add_lora(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), flat, rows.weights[self.name])
             return out
         return add_lora(out, x, segments, rows.weights[self.name])
+
+
+def _add_per_row(outs: Sequence[torch.Tensor], x: torch.Tensor, per_row, names: Sequence[str]) -> None:
+    """outs[g] += each row's delta of layer names[g] (sibling layers sharing the input x), in the per-row form's
+    tiles when it has them, else row by row."""
+    if per_row.tiles is not None:
+        from loraplex.lora.kernels.sgmv import add_lora_tiles_siblings  # Triton: CUDA only
+
+        add_lora_tiles_siblings(outs, x, per_row.tiles, per_row.tables, names, per_row.max_rank)
+    else:
+        from loraplex.lora.kernels.bgmv import add_lora_rows_siblings  # Triton: CUDA only
+
+        add_lora_rows_siblings(outs, x, per_row.slots, per_row.tables, names, per_row.max_rank)
 
 
 def wrap_linears(model: nn.Module) -> dict[str, LoraLinear]:
@@ -171,7 +180,7 @@ class LoraSlots:
         unknown = set(adapter.modules) - set(self.tables)
         assert not unknown, f"adapter {adapter.adapter_id} targets modules the model lacks: {sorted(unknown)[:3]}"
         assert adapter.max_rank <= self.max_rank, f"adapter {adapter.adapter_id} has rank {adapter.max_rank} > {self.max_rank}"
-        uploaded = self._uploader.upload(adapter.modules)
+        uploaded = self._uploader.upload(adapter.modules, adapter.flat)
         for name, table in self.tables.items():
             table[slot] = uploaded.get(name)
         self.pointers.set_slot(slot, {name: table[slot] for name, table in self.tables.items()})

@@ -77,7 +77,7 @@ def merge_adapters(
             a, b = _merge_module(module, present, strategy, density, majority_sign_method, generator)
             modules[module] = LoraWeights(a, b, config.scale(module))
             check_weights(f"the merge's {module}", modules[module])  # weights can push finite inputs past the bounds
-    return LoraAdapter(adapter_id, modules, config)
+    return LoraAdapter(adapter_id, modules, config).packed()
 
 
 def module_order_key(module: str) -> tuple[float, int, str]:

@@ -1,19 +1,16 @@
-"""Adapter uploads in one copy: every module's A [r, in] and B.T [r, out] laid out in one flat host buffer (in the
-slots' dtype), copied to one device allocation, and handed back as views of it.
+"""Adapter uploads in one copy: every module's A [r, in] and B.T [r, out] in one flat buffer (in the slots' dtype,
+laid out as `layout.Layout` says), copied to one device allocation, and handed back as views of it.
 
-An install used to copy each tensor on its own: a few hundred small synchronous host-to-device copies, relayouts
-and allocations per adapter. With 1,000 adapters wanted through 128 slots that cost more host time than the
-steps themselves (the online benchmark's profile, docs/benchmarks.md). Now it is one pass over the host tensors
-into a staging buffer (pinned on CUDA, so the copy does not block the host) and one copy.
+An adapter loaded from disk (or merged) is already laid out so on the host (`LoraAdapter.flat`): its upload is one
+copy into a staging buffer (pinned on CUDA, so the copy to the device does not block the host; converting to the
+slots' dtype on the way) and one copy to the device. Other adapters (built by hand) take one pass over their
+tensors into the staging buffer first.
 
-On CUDA that copy runs on a side stream: installs happen while a decode step is in flight (engine/overlap.py),
-and a copy queued behind that step on the main stream would make the next step wait for both in turn. The main
-stream waits for the copy on the device (the host never does); the weights' buffer is allocated on the side stream,
-so it cannot be a block a running step still reads, and is marked as used by the main stream, so its memory is not
-handed out again before the steps that read it are done.
-
-Each tensor starts at a multiple of `ALIGN` elements of the buffer, so its address is 16-byte aligned, as the
-per-row kernels need (`SlotPointers` checks); B is handed back as B.T's transposed view, the layout they read.
+On CUDA the copy to the device runs on a side stream: installs happen while a decode step is in flight
+(engine/overlap.py), and a copy queued behind that step on the main stream would make the next step wait for both
+in turn. The main stream waits for the copy on the device (the host never does); the weights' buffer is allocated
+on the side stream, so it cannot be a block a running step still reads, and is marked as used by the main stream,
+so its memory is not handed out again before the steps that read it are done.
 """
 
 from __future__ import annotations
@@ -23,31 +20,7 @@ from typing import Mapping
 import torch
 
 from loraplex.lora.adapter import LoraWeights
-
-ALIGN = 64  # elements: 128 bytes in bfloat16, 256 in float32
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def layout(modules: Mapping[str, LoraWeights]) -> tuple[dict[str, tuple[int, int]], int]:
-    """module name -> (offset of A, offset of B.T) in elements, and the buffer's length."""
-    offsets, end = {}, 0
-    for name, w in modules.items():
-        a_at = end
-        b_at = a_at + _aligned(w.a.numel())
-        end = b_at + _aligned(w.b.numel())
-        offsets[name] = (a_at, b_at)
-    return offsets, end
-
-
-def _placed(buffer: torch.Tensor, offsets: tuple[int, int], w: LoraWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where `w`'s A [r, in] and B.T [r, out] lie in `buffer`, given their offsets."""
-    a_at, b_at = offsets
-    a = buffer[a_at : a_at + w.a.numel()].view(w.rank, w.a.shape[1])
-    b_t = buffer[b_at : b_at + w.b.numel()].view(w.rank, w.b.shape[0])
-    return a, b_t
+from loraplex.lora.layout import Layout
 
 
 class AdapterUploader:
@@ -59,24 +32,25 @@ class AdapterUploader:
         self._pinned = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # where the copies run
 
-    def upload(self, modules: Mapping[str, LoraWeights]) -> dict[str, LoraWeights]:
-        """The weights of `modules` on the device: views of one fresh allocation, laid out for the kernels."""
-        offsets, length = layout(modules)
+    def upload(self, modules: Mapping[str, LoraWeights], flat: torch.Tensor | None = None) -> dict[str, LoraWeights]:
+        """The weights of `modules` on the device: views of one fresh allocation, laid out for the kernels. `flat`:
+        the one buffer `modules` are views of, when they are (`LoraAdapter.flat`)."""
+        layout = Layout.of(modules)
+        source = [flat] if flat is not None else [t for w in modules.values() for t in (w.a, w.b)]
         # Weights already on a GPU (a benchmark's, built there) are laid out there: no round trip through the host.
-        staged = self._staged and any(t.is_cpu for w in modules.values() for t in (w.a, w.b))
+        staged = self._staged and any(t.is_cpu for t in source)
         # A fresh pinned buffer per upload: the caching host allocator reuses it only once its copy is done.
-        target = torch.empty(length, dtype=self.dtype, pin_memory=self._pinned) if staged else \
-            torch.empty(length, dtype=self.dtype, device=self.device)
-        for name, w in modules.items():
-            a, b_t = _placed(target, offsets[name], w)
-            a.copy_(w.a)
-            b_t.copy_(w.b.t())
+        target = torch.empty(layout.length, dtype=self.dtype, pin_memory=self._pinned) if staged else \
+            torch.empty(layout.length, dtype=self.dtype, device=self.device)
+        if flat is not None:
+            assert flat.numel() == layout.length, "the adapter's flat buffer is not laid out as its modules are"
+            target.copy_(flat)
+        else:
+            for name, (a, b) in layout.views(target).items():
+                a.copy_(modules[name].a)
+                b.copy_(modules[name].b)
         buffer = self._to_device(target) if staged else target
-        uploaded = {}
-        for name, w in modules.items():
-            a, b_t = _placed(buffer, offsets[name], w)
-            uploaded[name] = LoraWeights(a, b_t.t(), w.scale)
-        return uploaded
+        return {name: LoraWeights(a, b, modules[name].scale) for name, (a, b) in layout.views(buffer).items()}
 
     def _to_device(self, staging: torch.Tensor) -> torch.Tensor:
         """`staging` copied to a fresh device buffer; on CUDA, on the side stream (see the module's notes)."""

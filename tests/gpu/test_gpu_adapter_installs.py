@@ -20,11 +20,13 @@ SPIN_CYCLES = 2_000_000_000  # about a second of one spinning kernel: far longer
 
 
 def adapter(seed: int, rank: int = 8) -> LoraAdapter:
-    """On the host, as the adapter store hands them to the engine."""
+    """On the host; even seeds packed into one buffer, as the adapter store hands them to the engine, odd ones as
+    tensors of their own, as built by hand."""
     g = torch.Generator().manual_seed(seed)
     modules = {name: LoraWeights(torch.randn(rank, n_in, generator=g), torch.randn(n_out, rank, generator=g), 0.5)
                for name, (n_in, n_out) in {"0": (256, 512), "1": (512, 256)}.items()}
-    return LoraAdapter(f"a{seed}", modules, LoraConfig(r=rank, lora_alpha=rank))
+    built = LoraAdapter(f"a{seed}", modules, LoraConfig(r=rank, lora_alpha=rank))
+    return built.packed() if seed % 2 == 0 else built
 
 
 def slots_with(adapters: list[LoraAdapter]) -> LoraSlots:

@@ -1,11 +1,14 @@
-"""Adapter installs in one copy (lora/upload.py): the layout the per-row kernels read, the values and dtype of the
-weights handed back, and the slot tables pointing into the one buffer."""
+"""Adapter installs in one copy (lora/layout.py, lora/upload.py): the layout the per-row kernels read, adapters laid
+out so on the host, the values and dtype of the weights handed back, and the slot tables pointing into the one
+buffer."""
 
+import pytest
 import torch
 
-from loraplex.lora.adapter import LoraWeights
+from loraplex.lora.adapter import LoraAdapter, LoraConfig, LoraWeights
 from loraplex.lora.kernels import SlotPointers
-from loraplex.lora.upload import ALIGN, AdapterUploader, layout
+from loraplex.lora.layout import ALIGN, Layout
+from loraplex.lora.upload import AdapterUploader
 
 
 def modules(seed: int, ranks=(4, 16, 1)) -> dict[str, LoraWeights]:
@@ -18,14 +21,41 @@ def modules(seed: int, ranks=(4, 16, 1)) -> dict[str, LoraWeights]:
 
 
 def test_every_tensor_starts_aligned_and_none_overlap():
-    offsets, length = layout(modules(0))
+    layout = Layout.of(modules(0))
     spans = []
-    for (a_at, b_at), w in zip(offsets.values(), modules(0).values()):
+    for (a_at, rank, n_in, b_at, n_out), w in zip(layout.entries.values(), modules(0).values()):
         assert a_at % ALIGN == 0 and b_at % ALIGN == 0
+        assert (rank, n_in, n_out) == (*w.a.shape, w.b.shape[0])
         spans += [(a_at, a_at + w.a.numel()), (b_at, b_at + w.b.numel())]
     spans.sort()
     assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
-    assert spans[-1][1] <= length
+    assert spans[-1][1] <= layout.length
+
+
+def test_a_packed_adapter_holds_the_same_weights_as_views_of_its_flat_buffer():
+    original = LoraAdapter("a", modules(4), LoraConfig(r=16, lora_alpha=16), entry_key="a@1")
+    packed = original.packed()
+    assert packed.flat is not None and packed.flat.numel() == Layout.of(original.modules).length
+    assert (packed.adapter_id, packed.entry_key, packed.config) == (original.adapter_id, "a@1", original.config)
+    flat_start, flat_end = packed.flat.data_ptr(), packed.flat.data_ptr() + packed.flat.nbytes
+    for name, w in packed.modules.items():
+        assert torch.equal(w.a, original.modules[name].a) and torch.equal(w.b, original.modules[name].b)
+        assert w.scale == original.modules[name].scale
+        assert w.a.is_contiguous() and w.b.t().is_contiguous()
+        assert all(flat_start <= t.data_ptr() < flat_end for t in (w.a, w.b))
+    assert packed.fingerprint == original.fingerprint  # the same adapter to the prefix cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_adapter_uploads_from_its_flat_buffer_to_the_same_weights(dtype):
+    adapter = LoraAdapter("a", modules(5), LoraConfig(r=16, lora_alpha=16)).packed()
+    uploader = AdapterUploader(torch.device("cpu"), dtype)
+    from_flat, per_tensor = uploader.upload(adapter.modules, adapter.flat), uploader.upload(adapter.modules)
+    for name, w in from_flat.items():
+        assert torch.equal(w.a, per_tensor[name].a) and torch.equal(w.b, per_tensor[name].b)
+        assert w.a.dtype == dtype and w.scale == per_tensor[name].scale
+    adapter.flat.zero_()  # the upload is a copy: the slot's weights never alias the adapter's host buffer
+    assert from_flat["m1"].a.abs().sum() > 0
 
 
 def test_uploaded_weights_equal_the_adapter_in_the_slots_dtype_as_views_of_one_buffer():

@@ -1,0 +1,54 @@
+"""Where an adapter's weights lie in one flat buffer: each module's A [r, in] and then its B.T [r, out], module after
+module, each starting at a multiple of `ALIGN` elements, so that its address is 16-byte aligned as the per-row
+kernels load it.
+
+An adapter's host copy is laid out so when it loads (`LoraAdapter.packed`), and each device copy of it is (the
+slots' weights, `upload.AdapterUploader`): installing an adapter is then one copy of one buffer, whatever the
+number of its modules. With 1,000 adapters wanted through 128 slots, a copy per tensor cost more host time than
+the steps (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+ALIGN = 64  # elements: 128 bytes in bfloat16, 256 in float32
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Layout:
+    """module name -> (offset of A, rank, in_features, offset of B.T, out_features), in elements; `length`: the
+    buffer's."""
+
+    entries: dict[str, tuple[int, int, int, int, int]]
+    length: int
+
+    @classmethod
+    def of(cls, modules: Mapping[str, Any]) -> "Layout":
+        """The layout of `modules` (name -> anything with `a` [r, in] and `b` [out, r]), in their order."""
+        entries, end = {}, 0
+        for name, w in modules.items():
+            rank, in_features = w.a.shape
+            out_features = w.b.shape[0]
+            a_at = end
+            b_at = a_at + _aligned(rank * in_features)
+            end = b_at + _aligned(rank * out_features)
+            entries[name] = (a_at, rank, in_features, b_at, out_features)
+        return cls(entries, end)
+
+    def views(self, buffer: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """module name -> (A [r, in], B [out, r]) as views of `buffer` (B the transposed view of its dense B.T)."""
+        assert buffer.dim() == 1 and buffer.numel() >= self.length and buffer.is_contiguous()
+        base = buffer.storage_offset()
+        return {
+            name: (buffer.as_strided((rank, n_in), (n_in, 1), base + a_at),
+                   buffer.as_strided((n_out, rank), (1, n_out), base + b_at))
+            for name, (a_at, rank, n_in, b_at, n_out) in self.entries.items()
+        }
