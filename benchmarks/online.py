@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from benchmarks.workload import random_prompts
 from loraplex.lora.adapter import LoraAdapter
@@ -136,6 +136,9 @@ class OnlineResult:
     requests: list[RequestTimes]
     makespan_s: float  # first arrival to last finish
     max_running: int  # the most requests that got a token in one step
+    # engine.step() calls by kind, (count, seconds of wall time): "launched" left its step in flight (a decode step,
+    # overlapped with the next call), "run" ran its step at once (prompts in it, or not launchable).
+    steps: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     @property
     def output_tokens(self) -> int:
@@ -160,7 +163,12 @@ class OnlineResult:
         return {"system": self.system, "description": self.workload.describe(), "requests": len(self.requests),
                 "output_tokens": self.output_tokens, "makespan_s": self.makespan_s,
                 "tokens_per_s": self.tokens_per_s, "requests_per_s": self.requests_per_s,
-                "max_running": self.max_running, **self.latency()}
+                "max_running": self.max_running, **self.latency(),
+                "steps": {kind: {"count": n, "seconds": t} for kind, (n, t) in self.steps.items()}}
+
+    def describe_steps(self) -> str:
+        parts = [f"{n} {kind} ({t:.2f}s, {t / n * 1e3:.1f} ms each)" for kind, (n, t) in self.steps.items() if n]
+        return f"{self.system}: steps " + ", ".join(parts)
 
 
 def run_online(
@@ -172,6 +180,7 @@ def run_online(
     n = workload.num_requests
     arrival_of, first, finish, count = {}, {}, {}, {}
     next_i, max_running = 0, 0
+    steps = {"launched": [0, 0.0], "run": [0, 0.0]}
     start = clock()
     while len(finish) < n:
         now = clock() - start
@@ -184,8 +193,13 @@ def run_online(
         if not engine.has_unfinished:
             sleep(max(0.0, workload.arrivals[next_i] - (clock() - start)))
             continue
+        before = clock()
         outputs = engine.step()
-        done = clock() - start
+        after = clock()
+        done = after - start
+        kind = steps["launched" if engine.step_in_flight else "run"]
+        kind[0] += 1
+        kind[1] += after - before
         running = {o.request_id for o in outputs}
         max_running = max(max_running, len(running))
         for out in outputs:
@@ -201,7 +215,7 @@ def run_online(
     if sorted(t.output_tokens for t in times) != expected:
         raise RuntimeError(f"{system}: output token counts differ from the workload's")
     makespan = max(t.finish for t in times) - workload.arrivals[0]
-    return OnlineResult(system, workload, times, makespan, max_running)
+    return OnlineResult(system, workload, times, makespan, max_running, {k: (n, t) for k, (n, t) in steps.items()})
 
 
 def format_online(results: list[OnlineResult], setting: str) -> str:
@@ -223,5 +237,6 @@ def format_online(results: list[OnlineResult], setting: str) -> str:
     first = results[0]
     lines += ["", *(f"{first.system}: {first.tokens_per_s / r.tokens_per_s:.2f}x the output tok/s of {r.system}"
                     for r in results[1:])]
+    lines += ["", *(r.describe_steps() for r in results)]
     return "\n".join(lines)
 

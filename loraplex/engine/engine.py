@@ -355,6 +355,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self._in_flight is not None
 
+    @property
+    def step_in_flight(self) -> bool:
+        """Whether the last `step` left its step launched on the device (overlap.py), its tokens read by the next."""
+        return self._in_flight is not None
+
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -34,7 +34,7 @@ def test_smoke_run_prints_every_table_and_writes_json(smoke_run, capsys):
                    "loraplex+adapters / loraplex base =", "roofline: a decode step reads weights",
                    "headline: loraplex base decode at", "online (S-LoRA-style): 6 requests, Poisson",
                    "| system | output tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |",
-                   "loraplex, 4 adapters / 4 slots"):
+                   "loraplex, 4 adapters / 4 slots", "loraplex, base model: steps "):
         assert needle in text, (needle, text)
     figures = json.loads(smoke_run.read_text())
     assert figures["smoke"] and figures["bandwidth"]["bytes_per_s"] > 0
@@ -58,6 +58,10 @@ def test_smoke_run_prints_every_table_and_writes_json(smoke_run, capsys):
     online = fixed["online"]
     assert [o["requests"] for o in online] == [6, 6, 6] and len({o["output_tokens"] for o in online}) == 1
     assert all(o["ttft_p50"] <= o["ttft_p99"] and o["tpot_p50"] > 0 for o in online)
+    for o in online:  # every engine.step() counted once, by kind, within the run's time
+        steps = o["steps"]
+        assert set(steps) == {"launched", "run"} and steps["run"]["count"] >= 1  # prompts run at once
+        assert 0 < sum(s["seconds"] for s in steps.values()) <= o["makespan_s"] + 1e-6
 
 
 def test_online_repeats_take_turns_and_keep_each_systems_shortest_run(smoke_run, capsys):
