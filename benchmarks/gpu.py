@@ -342,13 +342,15 @@ def bench_online(args, loaded: LoadedModel) -> list:
     print(f"  online: warm-up captured {captured} decode graphs", file=sys.stderr, flush=True)
     # The same arrivals three ways: over every adapter, all on one adapter (the 1,000-adapters-vs-one
     # ratio), and on the base model. With --repeats the systems take turns and each keeps its shortest run: the
-    # device's host is shared, and one run per system swings by more than the ratios under test.
+    # device's host is shared, and one run per system swings by more than the ratios under test. Each round starts
+    # with the next system, so that no system is always the first timed after the warm-up or a round's turn.
     systems = ((f"loraplex, {args.num_adapters} adapters / {slots} slots", adapters),
                ("loraplex, one adapter", [adapters[0]] * args.num_adapters),
                ("loraplex, base model", None))
     best: dict[str, OnlineResult] = {}
     for repeat in range(args.repeats):
-        for k, (label, used) in enumerate(systems):
+        for k in [(repeat + i) % len(systems) for i in range(len(systems))]:
+            label, used = systems[k]
             with _profiled(args.profile, f"online-{k}-{repeat}.pstats"):
                 result = run_online(engine, workload, used, label)
             print(f"  online: {label}: {result.makespan_s:.1f}s", file=sys.stderr, flush=True)
