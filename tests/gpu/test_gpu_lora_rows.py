@@ -88,11 +88,9 @@ def test_reinstalling_a_slot_changes_what_the_next_call_reads():
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rows", [1, 9, 64])
-def test_siblings_in_one_launch_equal_one_launch_each(dtype, rows):
-    """q/k/v-like siblings (one input, outputs side by side in one product): the same values, bit for bit, as a
-    launch per layer, with mixed ranks and slots whose adapter targets only some of them."""
+def sibling_tables(dtype):
+    """q/k/v-like siblings over 4 slots of mixed ranks, some slots' adapters targeting only some of them: the input
+    features, the widths, the names, each one's weights per slot and the tables."""
     in_features, widths, names = 512, [256, 64, 64], ["q", "k", "v"]
     ranks = {"q": [8, 16, 64, 4], "k": [8, None, 64, 4], "v": [8, 16, None, None]}
     weights = {n: slot_weights(in_features, w, dtype, seed=i, ranks=ranks[n])
@@ -100,6 +98,15 @@ def test_siblings_in_one_launch_equal_one_launch_each(dtype, rows):
     tables = SlotPointers(names, 4, DEVICE)
     for slot in range(4):
         tables.set_slot(slot, {n: weights[n][slot] for n in names})
+    return in_features, widths, names, weights, tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 9, 64])
+def test_siblings_in_one_launch_equal_one_launch_each(dtype, rows):
+    """q/k/v-like siblings (one input, outputs side by side in one product): the same values, bit for bit, as a
+    launch per layer, with mixed ranks and slots whose adapter targets only some of them."""
+    in_features, widths, names, weights, tables = sibling_tables(dtype)
     row_slots = torch.tensor([(3 * i + 1) % 5 - 1 for i in range(rows)], device=DEVICE)  # -1 and every slot
     x = torch.randn(rows, in_features, device=DEVICE).to(dtype)
     start = torch.randn(rows, sum(widths), device=DEVICE).to(dtype)

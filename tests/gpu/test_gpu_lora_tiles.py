@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from loraplex.layers.forward_context import LoraSegment
-from loraplex.lora.kernels import SlotPointers, add_lora_rows_reference
+from loraplex.lora.kernels import add_lora_rows_reference
 from loraplex.lora.kernels.tiles import TILE_ROWS, lora_tiles, reference_row_slots
-from tests.gpu.test_gpu_lora_rows import slot_weights, tables_for
+from tests.gpu.test_gpu_lora_rows import sibling_tables, slot_weights, tables_for
 
 if not torch.cuda.is_available():
     pytest.fail("tests/gpu needs a CUDA device", pytrace=False)
@@ -59,13 +59,7 @@ def test_tiles_match_the_reference(dtype, shape):
 def test_siblings_in_one_launch_equal_the_reference(dtype):
     """q/k/v-like siblings (one input, outputs side by side in one product), with mixed ranks and slots whose
     adapter targets only some of them."""
-    in_features, widths, names = 512, [256, 64, 64], ["q", "k", "v"]
-    ranks = {"q": [8, 16, 64, 4], "k": [8, None, 64, 4], "v": [8, 16, None, None]}
-    weights = {n: slot_weights(in_features, w, dtype, seed=i, ranks=ranks[n])
-               for i, (n, w) in enumerate(zip(names, widths))}
-    tables = SlotPointers(names, 4, DEVICE)
-    for slot in range(4):
-        tables.set_slot(slot, {n: weights[n][slot] for n in names})
+    in_features, widths, names, weights, tables = sibling_tables(dtype)
     segments, rows = segments_of([(0, 40), (None, 3), (1, 1), (2, 33), (3, 2)])
     tiles = lora_tiles(segments, DEVICE)
     row_slots = reference_row_slots(tiles, rows)

@@ -7,6 +7,7 @@ from loraplex.layers.forward_context import LoraSegment
 from loraplex.lora.adapter import LoraWeights
 from loraplex.lora.upload import laid_out
 from loraplex.lora.kernels import SlotPointers, add_lora, add_lora_rows_reference
+from loraplex.lora.kernels.rows import sibling_launch
 
 
 def weights(rank, seed, in_features=24, out_features=10):
@@ -38,3 +39,20 @@ def test_slot_tables_follow_installs():
     tables.set_slot(1, {"v": weights(8, 1)})  # a new adapter replaces the slot's entries, all of them
     assert tables.layer("q")[1].tolist() == [0, 0, 0] and tables.layer("v")[1].tolist() == [0, 8, 0]
     assert tables.targeted == frozenset({"v"})
+
+
+def test_a_sibling_launch_finds_the_outputs_columns_layers_and_splits():
+    tables = SlotPointers(["q", "k", "v", "o"], 2, torch.device("cpu"))
+    fused = torch.zeros(5, 70 + 20 + 20)
+    q, k, v = fused.split([70, 20, 20], dim=1)
+    x = torch.zeros(5, 300)
+    launch = sibling_launch([k, q, v], x, tables, ["k", "q", "v"], max_rank=17, units=5, block_n=64, block_k=64,
+                            target_programs=20)
+    assert launch.base.data_ptr() == q.data_ptr()  # the one that starts first
+    assert launch.offsets == [70, 0, 90] and launch.layers == [1, 0, 2] and launch.widths == [20, 70, 20]
+    assert launch.blocks == [1, 2, 1] and launch.rank_p == 32
+    assert (launch.splits, launch.per_split) == (3, 128)  # 20 programs / 5 rows -> 4 splits of 75, rounded to 128
+    one = sibling_launch([fused[:, 100:]], x, tables, ["o"], max_rank=4, units=1000, block_n=64, block_k=64,
+                         target_programs=20)
+    assert one.offsets == [0, 0, 0] and one.layers == [3, 0, 0] and one.widths == [10, 0, 0] and one.blocks == [1, 0, 0]
+    assert (one.rank_p, one.splits, one.per_split) == (16, 1, 320)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.lora.kernels.rows import SlotPointers
+from loraplex.lora.kernels.rows import SlotPointers, sibling_launch
 
 # Launch shapes from a sweep on the H200 at Llama-8B's shapes (64 rows over 64 adapters and 32 over 8): the
 # kernels are short, so many small programs (eight per SM for the shrink) beat a few long ones.
@@ -29,7 +29,6 @@ SHRINK_WARPS = 8
 BLOCK_N = 128  # output features per expand program
 EXPAND_WARPS = 1
 TARGET_PROGRAMS = 1056  # shrink programs wanted: enough splits of the input that even one row keeps the GPU reading
-MAX_SIBLINGS = 3
 
 # Layer indices and offsets vary from call to call: compiled once, not once per divisibility of each value.
 _PER_CALL = ["layer0", "layer1", "layer2", "off0", "off1", "off2", "blocks0", "blocks01"]
@@ -115,27 +114,14 @@ def add_lora_rows_siblings(outs: Sequence[torch.Tensor], x: torch.Tensor, row_sl
                            tables: SlotPointers, names: Sequence[str], max_rank: int) -> None:
     """outs[g] += each row's delta of layer names[g], for up to three layers that share the input x [T, in]; the
     outputs are column slices of one tensor [T, *] (one fused product's; a single output is its own)."""
-    assert 1 <= len(outs) == len(names) <= MAX_SIBLINGS
-    rows, in_features = x.shape
-    base = min(outs, key=lambda o: o.data_ptr())
-    offsets = [(o.data_ptr() - base.data_ptr()) // o.element_size() for o in outs]
-    assert x.stride(1) == 1 and all(o.stride(1) == 1 and o.stride(0) == base.stride(0) and o.dtype == x.dtype
-                                    and o.shape[0] == rows for o in outs)
-    assert all(off < base.stride(0) for off in offsets), "the outputs must be column slices of one tensor"
-    pad = MAX_SIBLINGS - len(outs)
-    layers = [tables.index[name] for name in names] + [0] * pad
-    widths = [o.shape[1] for o in outs] + [0] * pad
-    blocks = [triton.cdiv(w, BLOCK_N) for w in widths]
-    rank_p = max(16, triton.next_power_of_2(max_rank))
-    splits = max(1, min(-(-TARGET_PROGRAMS // max(rows, 1)), -(-in_features // BLOCK_K)))
-    per_split = -(-in_features // splits // BLOCK_K) * BLOCK_K
-    splits = -(-in_features // per_split)
-    partial = torch.empty(len(outs), rows, splits, rank_p, dtype=torch.float32, device=x.device)
-    num_slots = tables.num_slots
-    _shrink_kernel[(rows, splits, len(outs))](
-        x, row_slots, tables.pointers, tables.ranks, partial, in_features, per_split, x.stride(0), num_slots, *layers,
-        RANK_P=rank_p, BLOCK=BLOCK_K, num_warps=SHRINK_WARPS)
+    rows = x.shape[0]
+    launch = sibling_launch(outs, x, tables, names, max_rank, rows, BLOCK_N, BLOCK_K, TARGET_PROGRAMS)
+    blocks = launch.blocks
+    partial = torch.empty(len(outs), rows, launch.splits, launch.rank_p, dtype=torch.float32, device=x.device)
+    _shrink_kernel[(rows, launch.splits, len(outs))](
+        x, row_slots, tables.pointers, tables.ranks, partial, x.shape[1], launch.per_split, x.stride(0),
+        tables.num_slots, *launch.layers, RANK_P=launch.rank_p, BLOCK=BLOCK_K, num_warps=SHRINK_WARPS)
     _expand_kernel[(rows, sum(blocks))](
-        base, row_slots, tables.pointers, tables.ranks, tables.scales, partial, base.stride(0), num_slots, *layers,
-        *widths, *(offsets + [0] * pad), blocks[0], blocks[0] + blocks[1],
-        SPLITS=splits, RANK_P=rank_p, BLOCK=BLOCK_N, num_warps=EXPAND_WARPS)
+        launch.base, row_slots, tables.pointers, tables.ranks, tables.scales, partial, launch.base.stride(0),
+        tables.num_slots, *launch.layers, *launch.widths, *launch.offsets, blocks[0], blocks[0] + blocks[1],
+        SPLITS=launch.splits, RANK_P=launch.rank_p, BLOCK=BLOCK_N, num_warps=EXPAND_WARPS)

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from loraplex.layers.forward_context import LoraTiles
-from loraplex.lora.kernels.bgmv import MAX_SIBLINGS, _pick
-from loraplex.lora.kernels.rows import SlotPointers
+from loraplex.lora.kernels.bgmv import _pick
+from loraplex.lora.kernels.rows import SlotPointers, sibling_launch
 from loraplex.lora.kernels.tiles import TILE_ROWS
 
 BLOCK_K = 64  # input features per shrink iteration
@@ -35,6 +35,14 @@ _PER_CALL = ["num_tiles", "num_rows", "layer0", "layer1", "layer2", "splits", "o
              "blocks01"]
 
 
+@triton.jit
+def _tile(tiles_ptr, num_tiles, tile, entry_layer, num_slots, ranks_ptr):
+    """A tile's first row, its number of rows, its slot's entry in the tables for the layer, and that rank."""
+    slot = tl.load(tiles_ptr + 2 * num_tiles + tile)
+    entry = entry_layer.to(tl.int64) * num_slots + slot
+    return tl.load(tiles_ptr + tile), tl.load(tiles_ptr + num_tiles + tile), entry, tl.load(ranks_ptr + entry)
+
+
 @triton.jit(do_not_specialize=_PER_CALL[:5])
 def _shrink_kernel(x_ptr, tiles_ptr, num_tiles, num_rows, pointers_ptr, ranks_ptr, partial_ptr, in_features, per_split,
                    stride_x, num_slots, layer0, layer1, layer2, RANK_P: tl.constexpr, ROWS: tl.constexpr,
@@ -42,13 +50,10 @@ def _shrink_kernel(x_ptr, tiles_ptr, num_tiles, num_rows, pointers_ptr, ranks_pt
     tile = tl.program_id(0)
     split = tl.program_id(1)
     g = tl.program_id(2)
-    slot = tl.load(tiles_ptr + 2 * num_tiles + tile)
-    entry = _pick(g, layer0, layer1, layer2).to(tl.int64) * num_slots + slot
-    rank = tl.load(ranks_ptr + entry)
+    first, count, entry, rank = _tile(tiles_ptr, num_tiles, tile, _pick(g, layer0, layer1, layer2), num_slots,
+                                      ranks_ptr)
     if rank == 0:
         return
-    first = tl.load(tiles_ptr + tile)
-    count = tl.load(tiles_ptr + num_tiles + tile)
     a_ptr = tl.multiple_of(tl.load(pointers_ptr + entry * 2).to(x_ptr.dtype), 16)  # A [rank, in], row-major
     rows = tl.arange(0, ROWS)
     row_ok = rows < count
@@ -79,13 +84,10 @@ def _expand_kernel(out_ptr, tiles_ptr, num_tiles, num_rows, pointers_ptr, ranks_
     tile = tl.program_id(0)
     block = tl.program_id(1)
     g = (block >= blocks0).to(tl.int32) + (block >= blocks01).to(tl.int32)  # this block's layer
-    slot = tl.load(tiles_ptr + 2 * num_tiles + tile)
-    entry = _pick(g, layer0, layer1, layer2).to(tl.int64) * num_slots + slot
-    rank = tl.load(ranks_ptr + entry)
+    first, count, entry, rank = _tile(tiles_ptr, num_tiles, tile, _pick(g, layer0, layer1, layer2), num_slots,
+                                      ranks_ptr)
     if rank == 0:
         return
-    first = tl.load(tiles_ptr + tile)
-    count = tl.load(tiles_ptr + num_tiles + tile)
     out_features = _pick(g, n0, n1, n2)
     b_ptr = tl.multiple_of(tl.load(pointers_ptr + entry * 2 + 1).to(out_ptr.dtype), 16)  # B.T [rank, out], row-major
     rows = tl.arange(0, ROWS)
@@ -116,29 +118,17 @@ def add_lora_tiles_siblings(outs: Sequence[torch.Tensor], x: torch.Tensor, tiles
                             names: Sequence[str], max_rank: int) -> None:
     """outs[g] += each tiled row's delta of layer names[g], for up to three layers that share the input x [T, in];
     the outputs are column slices of one tensor [T, *] (one fused product's; a single output is its own)."""
-    assert 1 <= len(outs) == len(names) <= MAX_SIBLINGS
-    rows, in_features = x.shape
+    rows = x.shape[0]
+    launch = sibling_launch(outs, x, tables, names, max_rank, tiles.count, BLOCK_N, BLOCK_K, TARGET_PROGRAMS)
     if tiles.count == 0 or rows == 0:
         return
-    base = min(outs, key=lambda o: o.data_ptr())
-    offsets = [(o.data_ptr() - base.data_ptr()) // o.element_size() for o in outs]
-    assert x.stride(1) == 1 and all(o.stride(1) == 1 and o.stride(0) == base.stride(0) and o.dtype == x.dtype
-                                    and o.shape[0] == rows for o in outs)
-    assert all(off < base.stride(0) for off in offsets), "the outputs must be column slices of one tensor"
-    pad = MAX_SIBLINGS - len(outs)
-    layers = [tables.index[name] for name in names] + [0] * pad
-    widths = [o.shape[1] for o in outs] + [0] * pad
-    blocks = [triton.cdiv(w, BLOCK_N) for w in widths]
-    rank_p = max(16, triton.next_power_of_2(max_rank))
-    splits = max(1, min(-(-TARGET_PROGRAMS // tiles.count), -(-in_features // BLOCK_K)))
-    per_split = -(-in_features // splits // BLOCK_K) * BLOCK_K
-    splits = -(-in_features // per_split)
-    partial = torch.empty(len(outs), rows, splits, rank_p, dtype=torch.float32, device=x.device)
+    blocks = launch.blocks
+    partial = torch.empty(len(outs), rows, launch.splits, launch.rank_p, dtype=torch.float32, device=x.device)
     ieee = x.dtype == torch.float32
-    _shrink_kernel[(tiles.count, splits, len(outs))](
-        x, tiles.table, tiles.count, rows, tables.pointers, tables.ranks, partial, in_features, per_split, x.stride(0),
-        tables.num_slots, *layers, RANK_P=rank_p, ROWS=TILE_ROWS, BLOCK=BLOCK_K, IEEE=ieee)
+    _shrink_kernel[(tiles.count, launch.splits, len(outs))](
+        x, tiles.table, tiles.count, rows, tables.pointers, tables.ranks, partial, x.shape[1], launch.per_split,
+        x.stride(0), tables.num_slots, *launch.layers, RANK_P=launch.rank_p, ROWS=TILE_ROWS, BLOCK=BLOCK_K, IEEE=ieee)
     _expand_kernel[(tiles.count, sum(blocks))](
-        base, tiles.table, tiles.count, rows, tables.pointers, tables.ranks, tables.scales, partial, base.stride(0),
-        tables.num_slots, *layers, splits, *widths, *(offsets + [0] * pad), blocks[0], blocks[0] + blocks[1],
-        RANK_P=rank_p, ROWS=TILE_ROWS, BLOCK=BLOCK_N, IEEE=ieee)
+        launch.base, tiles.table, tiles.count, rows, tables.pointers, tables.ranks, tables.scales, partial,
+        launch.base.stride(0), tables.num_slots, *launch.layers, launch.splits, *launch.widths, *launch.offsets,
+        blocks[0], blocks[0] + blocks[1], RANK_P=launch.rank_p, ROWS=TILE_ROWS, BLOCK=BLOCK_N, IEEE=ieee)
