@@ -2,7 +2,7 @@
 live on the device.
 
 `SlotPointers` holds, for every LoRA layer and slot, the addresses of the slot's A [r, in] and B.T [r, out] (each
-dense, row-major, 16-byte aligned: `lora/upload.py` lays them out so), its rank (0: the slot's adapter does not target the layer, or the slot is empty) and its scale.
+dense, row-major, 16-byte aligned: `lora/layout.py` lays them out so), its rank (0: the slot's adapter does not target the layer, or the slot is empty) and its scale.
 Installing an adapter rewrites its slot's entries and nothing else: a kernel that reads the tables (and a CUDA
 graph that captured it) sees the new adapter at its next launch, whatever its rank. The tables hold addresses
 only; the owner (`LoraSlots`) keeps the tensors alive while their slot holds them.
