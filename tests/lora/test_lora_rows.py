@@ -1,6 +1,7 @@
 """The per-row LoRA form on the CPU: its torch reference against the segment form, and the slot tables it reads
 (the Triton kernel itself is compared with the reference in tests/gpu/test_gpu_lora_rows.py)."""
 
+import pytest
 import torch
 
 from loraplex.layers.forward_context import LoraSegment
@@ -48,11 +49,24 @@ def test_a_sibling_launch_finds_the_outputs_columns_layers_and_splits():
     x = torch.zeros(5, 300)
     launch = sibling_launch([k, q, v], x, tables, ["k", "q", "v"], max_rank=17, units=5, block_n=64, block_k=64,
                             target_programs=20)
-    assert launch.base.data_ptr() == q.data_ptr()  # the one that starts first
-    assert launch.offsets == [70, 0, 90] and launch.layers == [1, 0, 2] and launch.widths == [20, 70, 20]
-    assert launch.blocks == [1, 2, 1] and launch.rank_p == 32
+    assert launch.base == 1  # q: the one that starts first
+    assert launch.offsets == (70, 0, 90) and launch.layers == (1, 0, 2) and launch.widths == (20, 70, 20)
+    assert launch.blocks == (1, 2, 1) and launch.rank_p == 32
     assert (launch.splits, launch.per_split) == (3, 128)  # 20 programs / 5 rows -> 4 splits of 75, rounded to 128
     one = sibling_launch([fused[:, 100:]], x, tables, ["o"], max_rank=4, units=1000, block_n=64, block_k=64,
                          target_programs=20)
-    assert one.offsets == [0, 0, 0] and one.layers == [3, 0, 0] and one.widths == [10, 0, 0] and one.blocks == [1, 0, 0]
+    assert one.offsets == (0, 0, 0) and one.layers == (3, 0, 0) and one.widths == (10, 0, 0) and one.blocks == (1, 0, 0)
     assert (one.rank_p, one.splits, one.per_split) == (16, 1, 320)
+
+
+def test_a_sibling_launch_refuses_outputs_that_are_not_column_slices_of_one_tensor():
+    """The kernels write through raw offsets from the first output: anything else would write out of bounds."""
+    tables = SlotPointers(["q", "k"], 2, torch.device("cpu"))
+    x = torch.zeros(4, 8)
+    fused = torch.zeros(4, 30)
+    with pytest.raises(AssertionError, match="column slices"):  # k runs past the end of q's rows
+        sibling_launch([fused[:, :20], torch.zeros(8, 30)[4:, :20]], x, tables, ["q", "k"], 4, 4, 64, 64, 20)
+    with pytest.raises(AssertionError):  # a transposed output
+        sibling_launch([torch.zeros(30, 4).t()], x, tables, ["q"], 4, 4, 64, 64, 20)
+    with pytest.raises(AssertionError):  # rows that do not match the input's
+        sibling_launch([fused[:3]], x, tables, ["q"], 4, 4, 64, 64, 20)

@@ -117,11 +117,12 @@ def add_lora_rows_siblings(outs: Sequence[torch.Tensor], x: torch.Tensor, row_sl
     rows = x.shape[0]
     launch = sibling_launch(outs, x, tables, names, max_rank, rows, BLOCK_N, BLOCK_K, TARGET_PROGRAMS)
     blocks = launch.blocks
+    out = outs[launch.base]
     partial = torch.empty(len(outs), rows, launch.splits, launch.rank_p, dtype=torch.float32, device=x.device)
     _shrink_kernel[(rows, launch.splits, len(outs))](
         x, row_slots, tables.pointers, tables.ranks, partial, x.shape[1], launch.per_split, x.stride(0),
         tables.num_slots, *launch.layers, RANK_P=launch.rank_p, BLOCK=BLOCK_K, num_warps=SHRINK_WARPS)
     _expand_kernel[(rows, sum(blocks))](
-        launch.base, row_slots, tables.pointers, tables.ranks, tables.scales, partial, launch.base.stride(0),
+        out, row_slots, tables.pointers, tables.ranks, tables.scales, partial, out.stride(0),
         tables.num_slots, *launch.layers, *launch.widths, *launch.offsets, blocks[0], blocks[0] + blocks[1],
         SPLITS=launch.splits, RANK_P=launch.rank_p, BLOCK=BLOCK_N, num_warps=EXPAND_WARPS)

@@ -13,6 +13,7 @@ kernel (`bgmv.py`) must match it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -83,15 +84,16 @@ MAX_SIBLINGS = 3  # layers one launch of the Triton kernels serves (q/k/v)
 @dataclass(frozen=True)
 class SiblingLaunch:
     """What a launch of the Triton kernels (`bgmv.py`, `sgmv.py`) takes of up to three sibling outputs, column
-    slices of one tensor: `base`, the one that starts first (the others lie at `offsets` elements from it), and per
-    sibling, padded to MAX_SIBLINGS, its layer's index in the tables, its width and its output blocks; the rank
-    padded to a power of two; the input features split into `splits` spans of `per_split` for the shrink."""
+    slices of one tensor: `base`, the index of the one that starts first (the others lie at `offsets` elements
+    from it), and per sibling, padded to MAX_SIBLINGS, its layer's index in the tables, its width and its output
+    blocks; the rank padded to a power of two; the input features split into `splits` spans of `per_split` for the
+    shrink."""
 
-    base: torch.Tensor
-    offsets: list[int]
-    layers: list[int]
-    widths: list[int]
-    blocks: list[int]
+    base: int
+    offsets: tuple[int, ...]
+    layers: tuple[int, ...]
+    widths: tuple[int, ...]
+    blocks: tuple[int, ...]
     rank_p: int
     splits: int
     per_split: int
@@ -100,18 +102,29 @@ class SiblingLaunch:
 def sibling_launch(outs: Sequence[torch.Tensor], x: torch.Tensor, tables: SlotPointers, names: Sequence[str],
                    max_rank: int, units: int, block_n: int, block_k: int, target_programs: int) -> SiblingLaunch:
     """The launch of `names`' deltas into `outs` for the input x [T, in]; `units` (rows or tiles) each take their
-    share of `target_programs` shrink programs, the input split to reach it."""
+    share of `target_programs` shrink programs, the input split to reach it. Called per layer per step: the
+    plan is kept for the arguments' numbers, and only what the kernels' memory safety rests on is checked here."""
     assert 1 <= len(outs) == len(names) <= MAX_SIBLINGS
     rows, in_features = x.shape
-    base = min(outs, key=lambda o: o.data_ptr())
-    offsets = [(o.data_ptr() - base.data_ptr()) // o.element_size() for o in outs]
-    assert x.stride(1) == 1 and all(o.stride(1) == 1 and o.stride(0) == base.stride(0) and o.dtype == x.dtype
+    stride = outs[0].stride(0)
+    assert x.stride(1) == 1 and all(o.stride(1) == 1 and o.stride(0) == stride and o.dtype == x.dtype
                                     and o.shape[0] == rows for o in outs)
-    assert all(off < base.stride(0) for off in offsets), "the outputs must be column slices of one tensor"
-    pad = [0] * (MAX_SIBLINGS - len(outs))
-    widths = [o.shape[1] for o in outs] + pad
+    addresses = [o.data_ptr() for o in outs]
+    first = min(addresses)
+    size = x.element_size()
+    offsets = tuple((a - first) // size for a in addresses)
+    assert all(off + o.shape[1] <= stride for off, o in zip(offsets, outs)), \
+        "the outputs must be column slices of one tensor"
+    return _plan(addresses.index(first), offsets, tuple(tables.index[name] for name in names),
+                 tuple(o.shape[1] for o in outs), in_features, max_rank, units, block_n, block_k, target_programs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(base: int, offsets: tuple[int, ...], layers: tuple[int, ...], widths: tuple[int, ...], in_features: int,
+          max_rank: int, units: int, block_n: int, block_k: int, target_programs: int) -> SiblingLaunch:
+    pad = (0,) * (MAX_SIBLINGS - len(layers))
     splits = max(1, min(-(-target_programs // max(units, 1)), -(-in_features // block_k)))
     per_split = -(-in_features // splits // block_k) * block_k
     return SiblingLaunch(
-        base, offsets + pad, [tables.index[name] for name in names] + pad, widths, [-(-w // block_n) for w in widths],
+        base, offsets + pad, layers + pad, widths + pad, tuple(-(-w // block_n) for w in widths) + pad,
         rank_p=max(16, 1 << (max_rank - 1).bit_length()), splits=-(-in_features // per_split), per_split=per_split)

@@ -123,12 +123,13 @@ def add_lora_tiles_siblings(outs: Sequence[torch.Tensor], x: torch.Tensor, tiles
     if tiles.count == 0 or rows == 0:
         return
     blocks = launch.blocks
+    out = outs[launch.base]
     partial = torch.empty(len(outs), rows, launch.splits, launch.rank_p, dtype=torch.float32, device=x.device)
     ieee = x.dtype == torch.float32
     _shrink_kernel[(tiles.count, launch.splits, len(outs))](
         x, tiles.table, tiles.count, rows, tables.pointers, tables.ranks, partial, x.shape[1], launch.per_split,
         x.stride(0), tables.num_slots, *launch.layers, RANK_P=launch.rank_p, ROWS=TILE_ROWS, BLOCK=BLOCK_K, IEEE=ieee)
     _expand_kernel[(tiles.count, sum(blocks))](
-        launch.base, tiles.table, tiles.count, rows, tables.pointers, tables.ranks, tables.scales, partial,
-        launch.base.stride(0), tables.num_slots, *launch.layers, launch.splits, *launch.widths, *launch.offsets,
+        out, tiles.table, tiles.count, rows, tables.pointers, tables.ranks, tables.scales, partial,
+        out.stride(0), tables.num_slots, *launch.layers, launch.splits, *launch.widths, *launch.offsets,
         blocks[0], blocks[0] + blocks[1], RANK_P=launch.rank_p, ROWS=TILE_ROWS, BLOCK=BLOCK_N, IEEE=ieee)
