@@ -318,6 +318,11 @@ class LoraAdapter:
         return dataclasses.replace(self, modules=modules, flat=flat)
 
     @functools.cached_property
+    def layout(self) -> Layout:
+        """Where its modules lie in one flat buffer (`flat`'s layout, when it has one); kept for its installs."""
+        return Layout.of(self.modules)
+
+    @functools.cached_property
     def fingerprint(self) -> bytes:
         """A digest of what the adapter computes (its weights and scales), not of its name: the prefix cache keys
         blocks by it, so an adapter re-uploaded under the same id never reads the KV its old weights made."""

@@ -23,7 +23,7 @@ from torch import nn
 from loraplex.layers.forward_context import LoraGroups, LoraSegment, current_lora_rows
 from loraplex.lora.adapter import BaseShapes, LoraAdapter, LoraWeights
 from loraplex.lora.kernels import SlotPointers, add_lora, add_lora_stacked
-from loraplex.lora.upload import AdapterUploader
+from loraplex.lora.upload import AdapterUploader, Uploaded
 from loraplex.quantization import dequantized_weight
 
 # Which rows a LoRA-wrapped linear sees (DESIGN.md 7), by its module path: the output head sees the rows
@@ -163,9 +163,12 @@ class LoraSlots:
     def __init__(self, model: nn.Module, num_slots: int, device: torch.device, dtype: torch.dtype, max_rank: int = 64) -> None:
         self.num_slots, self.device, self.dtype, self.max_rank = num_slots, device, dtype, max_rank
         self.layers = wrap_linears(model)
-        self.tables: dict[str, list[LoraWeights | None]] = {name: [None] * num_slots for name in self.layers}
+        # Each slot's adapter as uploaded, and its per-module views once some form of the kernels asked for them.
+        self._uploads: list[Uploaded | None] = [None] * num_slots
+        self._views: list[dict[str, LoraWeights] | None] = [None] * num_slots
+        self.tables = {name: SlotColumn(self, name) for name in self.layers}
         self.occupant: list[str | None] = [None] * num_slots
-        # Where each slot's weights live, for the per-row kernels (kept in step with `tables` by `install`).
+        # Where each slot's weights live, for the per-row kernels (kept in step with the uploads by `install`).
         self.pointers = SlotPointers(list(self.layers), num_slots, device)
         self._uploader = AdapterUploader(device, dtype)
         self._stack: tuple[tuple[int, ...], Stack] | None = None  # the last one built, until an install
@@ -177,23 +180,29 @@ class LoraSlots:
 
     def install(self, slot: int, adapter: LoraAdapter) -> None:
         """Put `adapter` in `slot` (replacing whatever was there), on the model's device and dtype."""
-        unknown = set(adapter.modules) - set(self.tables)
+        unknown = adapter.modules.keys() - self.layers.keys()
         assert not unknown, f"adapter {adapter.adapter_id} targets modules the model lacks: {sorted(unknown)[:3]}"
         assert adapter.max_rank <= self.max_rank, f"adapter {adapter.adapter_id} has rank {adapter.max_rank} > {self.max_rank}"
-        uploaded = self._uploader.upload(adapter.modules, adapter.flat)
-        for name, table in self.tables.items():
-            table[slot] = uploaded.get(name)
-        self.pointers.set_slot(slot, {name: table[slot] for name, table in self.tables.items()})
+        uploaded = self._uploader.upload(adapter.modules, adapter.flat, adapter.layout)
+        self._uploads[slot], self._views[slot] = uploaded, None
+        self.pointers.set_slot_uploaded(slot, uploaded)
         self.occupant[slot] = adapter.key
         self._stack = None
 
     def clear(self, slot: int) -> None:
         """Empty `slot` (after an install that failed part way): no layer holds weights for it."""
-        for table in self.tables.values():
-            table[slot] = None
+        self._uploads[slot], self._views[slot] = None, None
         self.pointers.set_slot(slot, {})
         self.occupant[slot] = None
         self._stack = None
+
+    def weights(self, slot: int) -> dict[str, LoraWeights]:
+        """module name -> the weights of the adapter in `slot` (empty: none), as views of its upload."""
+        views = self._views[slot]
+        if views is None:
+            uploaded = self._uploads[slot]
+            views = self._views[slot] = uploaded.weights() if uploaded is not None else {}
+        return views
 
     def stack(self, slots: tuple[int, ...]) -> "Stack":
         """The adapters in `slots` stacked per layer: A [G, R, in] and B [G, out, R] with the scale folded
@@ -218,6 +227,17 @@ class LoraSlots:
         stack = Stack({slot: group for group, slot in enumerate(slots)}, layers)
         self._stack = (slots, stack)
         return stack
+
+
+class SlotColumn:
+    """One layer's weights in each slot (`column[slot]`: None where the slot's adapter does not target the layer),
+    as the segment and stacked forms read them."""
+
+    def __init__(self, slots: LoraSlots, name: str) -> None:
+        self._slots, self._name = slots, name
+
+    def __getitem__(self, slot: int) -> LoraWeights | None:
+        return self._slots.weights(slot).get(self._name)
 
 
 @dataclass

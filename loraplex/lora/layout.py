@@ -22,13 +22,17 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Layout:
     """module name -> (offset of A, rank, in_features, offset of B.T, out_features), in elements; `length`: the
-    buffer's."""
+    buffer's. The same per module as tensors, in the entries' order, for the slot tables (`SlotPointers`), which
+    point at a buffer's modules without a Python pass over them: `offsets` [M, 2] int64 (A's, B.T's) and `ranks` [M]
+    int32."""
 
     entries: dict[str, tuple[int, int, int, int, int]]
     length: int
+    offsets: torch.Tensor
+    ranks: torch.Tensor
 
     @classmethod
     def of(cls, modules: Mapping[str, Any]) -> "Layout":
@@ -41,7 +45,9 @@ class Layout:
             b_at = a_at + _aligned(rank * in_features)
             end = b_at + _aligned(rank * out_features)
             entries[name] = (a_at, rank, in_features, b_at, out_features)
-        return cls(entries, end)
+        offsets = torch.tensor([(e[0], e[3]) for e in entries.values()], dtype=torch.int64).reshape(-1, 2)
+        ranks = torch.tensor([e[1] for e in entries.values()], dtype=torch.int32)
+        return cls(entries, end, offsets, ranks)
 
     def views(self, buffer: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """module name -> (A [r, in], B [out, r]) as views of `buffer` (B the transposed view of its dense B.T)."""

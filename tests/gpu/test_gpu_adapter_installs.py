@@ -56,6 +56,8 @@ def assert_rows_read(slots: LoraSlots, adapters: list[LoraAdapter]) -> None:
     expected = add_lora_rows_reference(base.clone(), x, row_slots, [a.modules["0"].to(DEVICE, torch.float32) for a in adapters])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert not torch.equal(got, base), "the adapters must change the rows"
+    for slot, a in enumerate(adapters):  # the segment forms' views of each slot: the same weights
+        torch.testing.assert_close(slots.tables["1"][slot].b, a.modules["1"].b.to(DEVICE), rtol=0, atol=0)
 
 
 def test_installs_while_a_step_is_in_flight_leave_the_host_free_and_the_next_step_reads_them():

@@ -50,7 +50,8 @@ def test_a_packed_adapter_holds_the_same_weights_as_views_of_its_flat_buffer():
 def test_a_packed_adapter_uploads_from_its_flat_buffer_to_the_same_weights(dtype):
     adapter = LoraAdapter("a", modules(5), LoraConfig(r=16, lora_alpha=16)).packed()
     uploader = AdapterUploader(torch.device("cpu"), dtype)
-    from_flat, per_tensor = uploader.upload(adapter.modules, adapter.flat), uploader.upload(adapter.modules)
+    from_flat = uploader.upload(adapter.modules, adapter.flat, adapter.layout).weights()
+    per_tensor = uploader.upload(adapter.modules).weights()
     for name, w in from_flat.items():
         assert torch.equal(w.a, per_tensor[name].a) and torch.equal(w.b, per_tensor[name].b)
         assert w.a.dtype == dtype and w.scale == per_tensor[name].scale
@@ -60,7 +61,7 @@ def test_a_packed_adapter_uploads_from_its_flat_buffer_to_the_same_weights(dtype
 
 def test_uploaded_weights_equal_the_adapter_in_the_slots_dtype_as_views_of_one_buffer():
     original = modules(1)
-    uploaded = AdapterUploader(torch.device("cpu"), torch.bfloat16).upload(original)
+    uploaded = AdapterUploader(torch.device("cpu"), torch.bfloat16).upload(original).weights()
     assert uploaded.keys() == original.keys()
     storages = set()
     for name, w in uploaded.items():
@@ -75,7 +76,7 @@ def test_uploaded_weights_equal_the_adapter_in_the_slots_dtype_as_views_of_one_b
 
 def test_uploads_do_not_share_memory_and_the_tables_point_into_each():
     uploader = AdapterUploader(torch.device("cpu"), torch.float32)
-    first, second = uploader.upload(modules(2)), uploader.upload(modules(3, ranks=(2, 2, 2)))
+    first, second = uploader.upload(modules(2)).weights(), uploader.upload(modules(3, ranks=(2, 2, 2))).weights()
     assert first["m0"].a.untyped_storage().data_ptr() != second["m0"].a.untyped_storage().data_ptr()
     torch.testing.assert_close(first["m1"].a, modules(2)["m1"].a)  # the second upload left the first intact
     tables = SlotPointers(["m0", "m1", "m2", "absent"], 2, torch.device("cpu"))
@@ -89,3 +90,49 @@ def test_uploads_do_not_share_memory_and_the_tables_point_into_each():
     assert tables.targeted == frozenset({"m0", "m1", "m2"})
     tables.set_slot(0, {})
     assert tables.targeted == frozenset({"m1"}) and tables.layer("m1")[1].tolist() == [0, 2]
+
+
+def test_the_tables_point_at_an_upload_from_its_layout_as_at_its_views():
+    """`set_slot_uploaded` (installs: addresses from the layout's offsets) writes what `set_slot` writes from the
+    per-module views, and clears the layers the new adapter does not target."""
+    uploader = AdapterUploader(torch.device("cpu"), torch.float32)
+    names = ["m0", "m1", "m2", "absent"]
+    by_layout, by_views = SlotPointers(names, 3, torch.device("cpu")), SlotPointers(names, 3, torch.device("cpu"))
+    for slot, seed in [(0, 6), (2, 7)]:
+        uploaded = uploader.upload(modules(seed, ranks=(8, 2, 5)))
+        by_layout.set_slot_uploaded(slot, uploaded)
+        by_views.set_slot(slot, uploaded.weights())
+    for name in names:
+        for got, expected in zip(by_layout.layer(name), by_views.layer(name)):
+            assert torch.equal(got, expected)
+    assert by_layout.layer("m2")[1].tolist() == [5, 0, 5] and by_layout.layer("m0")[2].tolist() == [0.5, 0, 0.5]
+    assert by_layout.targeted == by_views.targeted == frozenset({"m0", "m1", "m2"})
+    two_modules = uploader.upload({"m1": modules(8)["m1"]})
+    by_layout.set_slot_uploaded(0, two_modules)  # replaces slot 0: m0 and m2 no longer targeted there
+    assert by_layout.layer("m0")[1].tolist() == [0, 0, 8] and by_layout.layer("m1")[1].tolist() == [16, 0, 2]
+    assert by_layout.layer("m1")[0][0].tolist() == [two_modules.buffer.data_ptr(),
+                                                    two_modules.weights()["m1"].b.data_ptr()]
+
+
+def test_slots_hand_out_each_installed_adapters_weights_and_none_after_a_replacement_or_clear():
+    """`LoraSlots` keeps each slot's upload and makes its per-module views on first use (the segment forms'):
+    they are the adapter's weights, a replacement's after an install, and nothing after a clear."""
+    from torch import nn
+
+    from loraplex.lora.layers import LoraSlots
+
+    model = nn.Sequential(nn.Linear(24, 10), nn.Linear(7, 33), nn.Linear(64, 5))
+    slots = LoraSlots(model, num_slots=2, device=torch.device("cpu"), dtype=torch.float32, max_rank=16)
+    first = LoraAdapter("a", {str(i): w for i, w in enumerate(modules(9).values())}, LoraConfig(r=16, lora_alpha=16))
+    second = LoraAdapter("b", {"1": modules(10, ranks=(4, 2, 1))["m1"]}, LoraConfig(r=2, lora_alpha=2)).packed()
+    slots.install(0, first)
+    slots.install(1, second)
+    for name, w in first.modules.items():
+        assert torch.equal(slots.tables[name][0].a, w.a) and torch.equal(slots.tables[name][0].b, w.b)
+        assert slots.tables[name][0].scale == w.scale
+    assert slots.tables["0"][1] is None and torch.equal(slots.tables["1"][1].b, second.modules["1"].b)
+    slots.install(0, second)  # replaced: the views are the new adapter's
+    assert slots.tables["0"][0] is None and torch.equal(slots.tables["1"][0].a, second.modules["1"].a)
+    slots.clear(1)
+    assert all(slots.tables[name][1] is None for name in "012")
+    assert slots.pointers.targeted == frozenset({"1"})

@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 import torch
 
 from loraplex.lora.adapter import LoraWeights
+from loraplex.lora.upload import Uploaded
 
 
 class SlotPointers:
@@ -38,20 +39,34 @@ class SlotPointers:
 
     def set_slot(self, slot: int, weights: Mapping[str, LoraWeights | None]) -> None:
         """Point `slot` at these weights (on the tables' device, contiguous); layers absent or None: rank 0."""
-        layers = len(self.index)
-        a_at, b_at, ranks, scales = [0] * layers, [0] * layers, [0] * layers, [0.0] * layers
-        for name, w in weights.items():
-            if w is None:
-                continue
-            b_t = w.b.t()
-            assert w.a.is_contiguous() and b_t.is_contiguous(), "the kernels read A and B.T as dense row-major"
-            assert w.a.data_ptr() % 16 == 0 and b_t.data_ptr() % 16 == 0, "the kernels load A and B.T 16 bytes at a time"
-            i = self.index[name]
-            a_at[i], b_at[i], ranks[i], scales[i] = w.a.data_ptr(), b_t.data_ptr(), w.rank, w.scale
+        present = {name: w for name, w in weights.items() if w is not None}
+        for w in present.values():
+            assert w.a.is_contiguous() and w.b.t().is_contiguous(), "the kernels read A and B.T as dense row-major"
+            assert w.a.data_ptr() % 16 == 0 and w.b.data_ptr() % 16 == 0, "the kernels load A and B.T 16 bytes at a time"
+        addresses = torch.tensor([(w.a.data_ptr(), w.b.data_ptr()) for w in present.values()], dtype=torch.int64)
+        self._point(slot, list(present), addresses.reshape(-1, 2),
+                    torch.tensor([w.rank for w in present.values()], dtype=torch.int32), [w.scale for w in present.values()])
+
+    def set_slot_uploaded(self, slot: int, uploaded: Uploaded) -> None:
+        """Point `slot` at an upload's modules, from its layout's offsets (no pass over per-module tensors)."""
+        buffer = uploaded.buffer
+        assert buffer.device == self.pointers.device and buffer.is_contiguous() and buffer.data_ptr() % 16 == 0, \
+            "the layout aligns each module from the buffer's start"
+        addresses = buffer.data_ptr() + uploaded.layout.offsets * buffer.element_size()
+        self._point(slot, list(uploaded.layout.entries), addresses, uploaded.layout.ranks, list(uploaded.scales))
+
+    def _point(self, slot: int, names: list[str], addresses: torch.Tensor, ranks: torch.Tensor,
+               scales: list[float]) -> None:
+        """Write `slot`'s entries (`names`' A and B.T addresses [M, 2], ranks, scales; every other layer's: none)
+        and copy the tables to the device."""
+        layers = torch.tensor([self.index[name] for name in names], dtype=torch.int64)
         host_pointers, host_ranks, host_scales = self._host
-        host_pointers[:, slot] = torch.tensor([a_at, b_at], dtype=torch.int64).t()
-        host_ranks[:, slot] = torch.tensor(ranks, dtype=torch.int32)
-        host_scales[:, slot] = torch.tensor(scales, dtype=torch.float32)
+        host_pointers[:, slot] = 0
+        host_ranks[:, slot] = 0
+        host_scales[:, slot] = 0.0
+        host_pointers[layers, slot] = addresses
+        host_ranks[layers, slot] = ranks
+        host_scales[layers, slot] = torch.tensor(scales, dtype=torch.float32)
         # From a pinned snapshot, without blocking: a step may be in flight (engine/overlap.py), and a copy from
         # pageable memory would make the host wait for it. Queued on the stream, the copy lands after that step
         # (which keeps the entries it was launched with) and before the next.
