@@ -484,8 +484,10 @@ class ModelRunner:
         """Which rows use which adapter this step (None: no row does).
 
         On CUDA, the rows of several adapters take the tile kernels (lora/kernels/tiles.py): one launch pair per
-        module for all of them, each adapter read once per tile of its rows. Elsewhere many short segments
-        (decode) use the stacked form: two matmuls per module for all adapters at once instead of two per
+        module (q/k/v and gate/up as one) for all of them, each adapter read once per tile of its rows. One
+        adapter's rows keep a matmul pair per module: with the tiles, the one-adapter online run's eager steps cost
+        30 ms over the base model's, against 12 ms with the pairs (docs/benchmarks.md). Elsewhere many short
+        segments (decode) use the stacked form: two matmuls per module for all adapters at once instead of two per
         adapter; long segments (prefill) keep one pair each.
         """
         segments = lora_segments(slots, row_counts)
