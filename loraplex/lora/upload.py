@@ -1,7 +1,8 @@
 """Adapter uploads in one copy: every module's A [r, in] and B.T [r, out] in one flat buffer (in the slots' dtype,
 laid out as `layout.Layout` says), copied to one device allocation (`Uploaded`). The per-module views of it are
-made only when asked for: the slot tables point into the buffer from the layout's offsets, and on CUDA the kernels
-read nothing else, while 400 views (a 135M-parameter model's adapter) cost more host time than the copy.
+made only when asked for (`Uploaded.weights`, by the segment forms): the slot tables point into the buffer from the
+layout's offsets and the tile and per-row kernels read nothing else, while the 420 views of a 135M-parameter
+model's adapter cost more host time than its copy.
 
 An adapter loaded from disk (or merged) is already laid out so on the host (`LoraAdapter.flat`): its upload is one
 copy into a staging buffer (pinned on CUDA, so the copy to the device does not block the host; converting to the
@@ -54,7 +55,7 @@ class AdapterUploader:
                layout: Layout | None = None) -> Uploaded:
         """The weights of `modules` on the device, in one fresh allocation laid out for the kernels. `flat`: the one
         buffer `modules` are views of, when they are (`LoraAdapter.flat`); `layout`: theirs, when known."""
-        layout = layout or Layout.of(modules)
+        layout = layout if layout is not None else Layout.of(modules)
         source = [flat] if flat is not None else [t for w in modules.values() for t in (w.a, w.b)]
         # Weights already on a GPU (a benchmark's, built there) are laid out there: no round trip through the host.
         staged = self._staged and any(t.is_cpu for t in source)
