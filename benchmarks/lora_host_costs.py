@@ -2,7 +2,8 @@
 benchmarks.lora_host_costs`. On CUDA (the tile kernels are Triton; elsewhere only under Triton's interpreter).
 
 - A sibling call (q/k/v of one layer): the tile kernels' launch pair (`sgmv.add_lora_tiles_siblings`) against a
-  matmul pair per module (`add_lora`), for one adapter and for eight, at 256 to 4,096 rows. Back-to-back calls
+  matmul pair per module (`add_lora`), for one adapter and for eight, at 256 to 4,096 rows; the tile kernels both
+  launched directly (`layers/kernels/launch.py`, the default) and through Triton's own path. Back-to-back calls
   with no synchronisation: a figure is the host's cost per call where the host is the slower side, the GPU's
   where the GPU is.
 - An install of a rank-16 adapter on all seven projections of 30 layers (210 modules): the upload from the
@@ -12,6 +13,7 @@ benchmarks.lora_host_costs`. On CUDA (the tile kernels are Triton; elsewhere onl
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -43,8 +45,21 @@ def microseconds(fn, calls: int = 200) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+@contextlib.contextmanager
+def through_triton(*launchers):
+    """The launchers' calls take Triton's own launch path meanwhile."""
+    saved = [launcher.direct for launcher in launchers]
+    for launcher in launchers:
+        launcher.direct = False
+    try:
+        yield
+    finally:
+        for launcher, direct in zip(launchers, saved):
+            launcher.direct = direct
+
+
 def sibling_calls(device: torch.device) -> None:
-    from loraplex.lora.kernels.sgmv import add_lora_tiles_siblings  # Triton: CUDA only
+    from loraplex.lora.kernels import sgmv  # Triton: CUDA only
 
     g = torch.Generator(device=device).manual_seed(0)
     slots = 8
@@ -55,7 +70,8 @@ def sibling_calls(device: torch.device) -> None:
     for slot in range(slots):
         tables.set_slot(slot, {name: weights[name][slot] for name in QKV})
     print("q/k/v LoRA of one layer, per call (us):")
-    print("| rows | adapters | matmul pair per module | tile kernels |\n|---:|---:|---:|---:|")
+    print("| rows | adapters | matmul pair per module | tile kernels | tile kernels through Triton's path |\n"
+          "|---:|---:|---:|---:|---:|")
     for rows in (256, 1024, 4096):
         x = torch.randn(rows, HIDDEN, device=device, dtype=DTYPE)
         fused = torch.randn(rows, sum(QKV.values()), device=device, dtype=DTYPE)
@@ -66,8 +82,13 @@ def sibling_calls(device: torch.device) -> None:
             tiles = lora_tiles(segments, device)
             dense = microseconds(lambda: [add_lora(out, x, segments, weights[name])
                                           for name, out in zip(QKV, outs)])
-            tiled = microseconds(lambda: add_lora_tiles_siblings(outs, x, tiles, tables, list(QKV), RANK))
-            print(f"| {rows} | {adapters} | {dense:.1f} | {tiled:.1f} |")
+            def tiled():
+                sgmv.add_lora_tiles_siblings(outs, x, tiles, tables, list(QKV), RANK)
+
+            direct = microseconds(tiled)
+            with through_triton(sgmv._shrink, sgmv._expand):
+                triton_path = microseconds(tiled)
+            print(f"| {rows} | {adapters} | {dense:.1f} | {direct:.1f} | {triton_path:.1f} |")
 
 
 def installs(device: torch.device) -> None:

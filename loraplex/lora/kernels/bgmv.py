@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.layers.kernels.launch import Launcher
 from loraplex.lora.kernels.rows import SlotPointers, sibling_launch
 
 # Launch shapes from a sweep on the H200 at Llama-8B's shapes (64 rows over 64 adapters and 32 over 8): the
@@ -103,6 +104,11 @@ def _expand_kernel(out_ptr, row_slots_ptr, pointers_ptr, ranks_ptr, scales_ptr, 
     tl.store(at, (out.to(tl.float32) + delta).to(out.dtype), mask=col_ok)
 
 
+# Eager steps launch these for every sibling group of every layer: launched directly (launch.py says why).
+_shrink = Launcher(_shrink_kernel)
+_expand = Launcher(_expand_kernel)
+
+
 def add_lora_rows(out: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, tables: SlotPointers, name: str,
                   max_rank: int) -> torch.Tensor:
     """out [T, out] += each row's own delta; x [T, in] in the weights' dtype; row_slots [T] (-1: none)."""
@@ -119,10 +125,10 @@ def add_lora_rows_siblings(outs: Sequence[torch.Tensor], x: torch.Tensor, row_sl
     blocks = launch.blocks
     out = outs[launch.base]
     partial = torch.empty(len(outs), rows, launch.splits, launch.rank_p, dtype=torch.float32, device=x.device)
-    _shrink_kernel[(rows, launch.splits, len(outs))](
+    _shrink[(rows, launch.splits, len(outs))](
         x, row_slots, tables.pointers, tables.ranks, partial, x.shape[1], launch.per_split, x.stride(0),
         tables.num_slots, *launch.layers, RANK_P=launch.rank_p, BLOCK=BLOCK_K, num_warps=SHRINK_WARPS)
-    _expand_kernel[(rows, sum(blocks))](
+    _expand[(rows, sum(blocks))](
         out, row_slots, tables.pointers, tables.ranks, tables.scales, partial, out.stride(0),
         tables.num_slots, *launch.layers, *launch.widths, *launch.offsets, blocks[0], blocks[0] + blocks[1],
         SPLITS=launch.splits, RANK_P=launch.rank_p, BLOCK=BLOCK_N, num_warps=EXPAND_WARPS)

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.layers.kernels.launch import Launcher
 from loraplex.layers.forward_context import LoraTiles
 from loraplex.lora.kernels.bgmv import _pick
 from loraplex.lora.kernels.rows import SlotPointers, sibling_launch
@@ -114,6 +115,11 @@ def _expand_kernel(out_ptr, tiles_ptr, num_tiles, num_rows, pointers_ptr, ranks_
     tl.store(at, (out.to(tl.float32) + delta).to(out.dtype), mask=mask)
 
 
+# Eager steps launch these for every sibling group of every layer: launched directly (launch.py says why).
+_shrink = Launcher(_shrink_kernel)
+_expand = Launcher(_expand_kernel)
+
+
 def add_lora_tiles_siblings(outs: Sequence[torch.Tensor], x: torch.Tensor, tiles: LoraTiles, tables: SlotPointers,
                             names: Sequence[str], max_rank: int) -> None:
     """outs[g] += each tiled row's delta of layer names[g], for up to three layers that share the input x [T, in];
@@ -126,10 +132,10 @@ def add_lora_tiles_siblings(outs: Sequence[torch.Tensor], x: torch.Tensor, tiles
     out = outs[launch.base]
     partial = torch.empty(len(outs), rows, launch.splits, launch.rank_p, dtype=torch.float32, device=x.device)
     ieee = x.dtype == torch.float32
-    _shrink_kernel[(tiles.count, launch.splits, len(outs))](
+    _shrink[(tiles.count, launch.splits, len(outs))](
         x, tiles.table, tiles.count, rows, tables.pointers, tables.ranks, partial, x.shape[1], launch.per_split,
         x.stride(0), tables.num_slots, *launch.layers, RANK_P=launch.rank_p, ROWS=TILE_ROWS, BLOCK=BLOCK_K, IEEE=ieee)
-    _expand_kernel[(tiles.count, sum(blocks))](
+    _expand[(tiles.count, sum(blocks))](
         out, tiles.table, tiles.count, rows, tables.pointers, tables.ranks, tables.scales, partial,
         out.stride(0), tables.num_slots, *launch.layers, launch.splits, *launch.widths, *launch.offsets,
         blocks[0], blocks[0] + blocks[1], RANK_P=launch.rank_p, ROWS=TILE_ROWS, BLOCK=BLOCK_N, IEEE=ieee)
