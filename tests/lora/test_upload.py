@@ -136,3 +136,24 @@ def test_slots_hand_out_each_installed_adapters_weights_and_none_after_a_replace
     slots.clear(1)
     assert all(slots.tables[name][1] is None for name in "012")
     assert slots.pointers.targeted == frozenset({"1"})
+
+
+def test_asking_for_a_layer_an_adapter_does_not_target_makes_no_views(monkeypatch):
+    """Every eager step asks each of its slots for the head's weights (the logits rows): where the adapter does not
+    target the head, the answer comes from its layout, without the per-module views of all its layers."""
+    from torch import nn
+
+    from loraplex.lora.layers import LoraSlots
+    from loraplex.lora.upload import Uploaded
+
+    made = []
+    views = Uploaded.weights
+    monkeypatch.setattr(Uploaded, "weights", lambda self: made.append(self) or views(self))
+    model = nn.Sequential(nn.Linear(24, 10), nn.Linear(7, 33), nn.Linear(64, 5))
+    slots = LoraSlots(model, num_slots=2, device=torch.device("cpu"), dtype=torch.float32, max_rank=16)
+    adapter = LoraAdapter("a", {"1": modules(11)["m1"]}, LoraConfig(r=16, lora_alpha=16)).packed()
+    slots.install(0, adapter)
+    assert slots.tables["0"][0] is None and slots.tables["2"][0] is None and slots.tables["1"][1] is None
+    assert made == []
+    assert torch.equal(slots.tables["1"][0].a, adapter.modules["1"].a) and len(made) == 1
+    assert slots.tables["1"][0] is slots.tables["1"][0] and len(made) == 1  # made once per install
