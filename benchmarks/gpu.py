@@ -24,7 +24,8 @@ all prompts in one step) and decode tokens/s (tokens after each request's first,
 against the roofline of benchmarks/roofline.py at the decode's average context. Prefix caching is off in the
 engines (a repeat would otherwise reuse its own prompts' blocks). The online engine captures every decode graph
 before timing (`online.warm_decode_graphs`); with `--repeats` its three systems take turns too, each keeping its
-shortest run; `--profile DIR` writes each of its timed runs' cProfile stats there.
+shortest run; `--profile DIR` writes each of its timed runs' cProfile stats there, `--profile-gpu DIR` a table of
+its kernels' device times (torch's profiler).
 
 On the H200 (bf16; the device's copy bandwidth is measured first):
 
@@ -351,7 +352,8 @@ def bench_online(args, loaded: LoadedModel) -> list:
     for repeat in range(args.repeats):
         for k in [(repeat + i) % len(systems) for i in range(len(systems))]:
             label, used = systems[k]
-            with _profiled(args.profile, f"online-{k}-{repeat}.pstats"):
+            with _profiled(args.profile, f"online-{k}-{repeat}.pstats"), \
+                    _gpu_profiled(args.profile_gpu, f"online-{k}-{repeat}.txt"):
                 result = run_online(engine, workload, used, label)
             print(f"  online: {label}: {result.makespan_s:.1f}s", file=sys.stderr, flush=True)
             if label not in best or result.makespan_s < best[label].makespan_s:
@@ -374,6 +376,23 @@ def _profiled(folder: str | None, name: str):
         profiler.disable()
         os.makedirs(folder, exist_ok=True)
         profiler.dump_stats(os.path.join(folder, name))
+
+
+@contextlib.contextmanager
+def _gpu_profiled(folder: str | None, name: str):
+    """The block under torch's profiler: its kernels' and ops' device and host times, as a table in folder/name
+    (nothing without a folder). Where an eager step's time goes on the device, which cProfile cannot see."""
+    if folder is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        yield
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, name), "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total", row_limit=60, max_name_column_width=70))
 
 
 # ---- main -------------------------------------------------------------------------------------------
@@ -406,6 +425,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--profile", metavar="DIR", help="online: each timed run under cProfile, its stats written to "
                    "DIR/online-<system>-<repeat>.pstats (systems 0, 1, 2: adapters, one adapter, base)")
+    p.add_argument("--profile-gpu", metavar="DIR", help="online: each timed run under torch's profiler, a table of "
+                   "its kernels' device times written to DIR/online-<system>-<repeat>.txt")
     args = p.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if unknown := set(args.workloads) - set(WORKLOADS):
