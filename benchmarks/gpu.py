@@ -391,8 +391,9 @@ def _gpu_profiled(folder: str | None, name: str):
     with profile(activities=activities) as prof:
         yield
     os.makedirs(folder, exist_ok=True)
+    order = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     with open(os.path.join(folder, name), "w") as f:
-        f.write(prof.key_averages().table(sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total", row_limit=60, max_name_column_width=70))
+        f.write(prof.key_averages().table(sort_by=order, row_limit=60, max_name_column_width=70))
 
 
 # ---- main -------------------------------------------------------------------------------------------
