@@ -25,7 +25,8 @@ against the roofline of benchmarks/roofline.py at the decode's average context. 
 engines (a repeat would otherwise reuse its own prompts' blocks). The online engine captures every decode graph
 before timing (`online.warm_decode_graphs`); with `--repeats` its three systems take turns too, each keeping its
 shortest run; `--profile DIR` writes each of its timed runs' cProfile stats there, `--profile-gpu DIR` a table of
-its kernels' device times (torch's profiler).
+its kernels' device times (torch's profiler), and `--trace DIR` adds an untimed run per system with a window of
+its steps traced (benchmarks/step_trace.py: each step kind's host time, CUDA calls and kernels).
 
 On the H200 (bf16; the device's copy bandwidth is measured first):
 
@@ -59,6 +60,7 @@ from benchmarks.adapters import AdapterSpec, PEFTMixed, adapter_from_peft, make_
 from benchmarks.offline import Loraplex, Measurement, measure
 from benchmarks.online import OnlineResult, format_online, online_workload, run_online, warm_decode_graphs
 from benchmarks.peers import HFBatched
+from benchmarks.step_trace import StepTracer, describe_trace
 from benchmarks.workload import Workload, equal_workload, round_robin
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.engine import Engine
@@ -341,6 +343,11 @@ def bench_online(args, loaded: LoadedModel) -> list:
     run_online(engine, warm, adapters, "warm-up")
     captured = warm_decode_graphs(engine, adapters, c.vocab_size, special)
     print(f"  online: warm-up captured {captured} decode graphs", file=sys.stderr, flush=True)
+    if args.gc == "freeze":  # what a server does after its start-up (or not: a diagnostic)
+        gc.collect()
+        gc.freeze()
+    elif args.gc == "off":  # an upper bound of what the collector costs the runs
+        gc.disable()
     # The same arrivals three ways: over every adapter, all on one adapter (the issue's 1,000-adapters-vs-one
     # ratio), and on the base model. With --repeats the systems take turns and each keeps its shortest run: the
     # device's host is shared, and one run per system swings by more than the ratios under test. Each round starts
@@ -358,6 +365,15 @@ def bench_online(args, loaded: LoadedModel) -> list:
             print(f"  online: {label}: {result.makespan_s:.1f}s", file=sys.stderr, flush=True)
             if label not in best or result.makespan_s < best[label].makespan_s:
                 best[label] = result
+    if args.trace:  # one more run per system, untimed: the profiler's start and stop stall it
+        os.makedirs(args.trace, exist_ok=True)
+        first, count = args.trace_steps
+        for k, (label, used) in enumerate(systems):
+            path = os.path.join(args.trace, f"online-{k}.json.gz")
+            with StepTracer(engine, first, count, path) as tracer:
+                run_online(engine, workload, used, label)
+            print("\n" + describe_trace(tracer, label), flush=True)
+    gc.enable()
     del engine
     return [best[label] for label, _ in systems]
 
@@ -428,6 +444,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "DIR/online-<system>-<repeat>.pstats (systems 0, 1, 2: adapters, one adapter, base)")
     p.add_argument("--profile-gpu", metavar="DIR", help="online: each timed run under torch's profiler, a table of "
                    "its kernels' device times written to DIR/online-<system>-<repeat>.txt")
+    p.add_argument("--trace", metavar="DIR", help="online: after the timed runs, one more run per system with steps "
+                   "--trace-steps traced (benchmarks/step_trace.py): DIR/online-<system>.json.gz and a summary")
+    p.add_argument("--trace-steps", type=_pair, default=[40, 120], metavar="FIRST,COUNT",
+                   help="online, with --trace: the steps traced, counted from the run's first")
+    p.add_argument("--gc", choices=["default", "freeze", "off"], default="default",
+                   help="online, a diagnostic: after the warm-up, freeze Python's garbage collector's heap, or turn "
+                   "the collector off for the runs")
     args = p.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if unknown := set(args.workloads) - set(WORKLOADS):

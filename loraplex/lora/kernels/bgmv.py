@@ -41,7 +41,7 @@ def _pick(g, first, second, third):
 
 
 @triton.jit(do_not_specialize=_PER_CALL[:3])
-def _shrink_kernel(x_ptr, row_slots_ptr, pointers_ptr, ranks_ptr, partial_ptr, in_features, per_split, stride_x,
+def _row_shrink_kernel(x_ptr, row_slots_ptr, pointers_ptr, ranks_ptr, partial_ptr, in_features, per_split, stride_x,
                    num_slots, layer0, layer1, layer2, RANK_P: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -73,7 +73,7 @@ def _shrink_kernel(x_ptr, row_slots_ptr, pointers_ptr, ranks_ptr, partial_ptr, i
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
-def _expand_kernel(out_ptr, row_slots_ptr, pointers_ptr, ranks_ptr, scales_ptr, partial_ptr, stride_o, num_slots,
+def _row_expand_kernel(out_ptr, row_slots_ptr, pointers_ptr, ranks_ptr, scales_ptr, partial_ptr, stride_o, num_slots,
                    layer0, layer1, layer2, n0, n1, n2, off0, off1, off2, blocks0, blocks01,
                    SPLITS: tl.constexpr, RANK_P: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -105,8 +105,8 @@ def _expand_kernel(out_ptr, row_slots_ptr, pointers_ptr, ranks_ptr, scales_ptr, 
 
 
 # Eager steps launch these for every sibling group of every layer: launched directly (launch.py says why).
-_shrink = Launcher(_shrink_kernel)
-_expand = Launcher(_expand_kernel)
+_shrink = Launcher(_row_shrink_kernel)
+_expand = Launcher(_row_expand_kernel)
 
 
 def add_lora_rows(out: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, tables: SlotPointers, name: str,

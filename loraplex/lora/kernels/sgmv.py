@@ -45,7 +45,7 @@ def _tile(tiles_ptr, num_tiles, tile, entry_layer, num_slots, ranks_ptr):
 
 
 @triton.jit(do_not_specialize=_PER_CALL[:5])
-def _shrink_kernel(x_ptr, tiles_ptr, num_tiles, num_rows, pointers_ptr, ranks_ptr, partial_ptr, in_features, per_split,
+def _tile_shrink_kernel(x_ptr, tiles_ptr, num_tiles, num_rows, pointers_ptr, ranks_ptr, partial_ptr, in_features, per_split,
                    stride_x, num_slots, layer0, layer1, layer2, RANK_P: tl.constexpr, ROWS: tl.constexpr,
                    BLOCK: tl.constexpr, IEEE: tl.constexpr):
     tile = tl.program_id(0)
@@ -79,7 +79,7 @@ def _shrink_kernel(x_ptr, tiles_ptr, num_tiles, num_rows, pointers_ptr, ranks_pt
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
-def _expand_kernel(out_ptr, tiles_ptr, num_tiles, num_rows, pointers_ptr, ranks_ptr, scales_ptr, partial_ptr, stride_o,
+def _tile_expand_kernel(out_ptr, tiles_ptr, num_tiles, num_rows, pointers_ptr, ranks_ptr, scales_ptr, partial_ptr, stride_o,
                    num_slots, layer0, layer1, layer2, splits, n0, n1, n2, off0, off1, off2, blocks0, blocks01,
                    RANK_P: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
     tile = tl.program_id(0)
@@ -116,8 +116,8 @@ def _expand_kernel(out_ptr, tiles_ptr, num_tiles, num_rows, pointers_ptr, ranks_
 
 
 # Eager steps launch these for every sibling group of every layer: launched directly (launch.py says why).
-_shrink = Launcher(_shrink_kernel)
-_expand = Launcher(_expand_kernel)
+_shrink = Launcher(_tile_shrink_kernel)
+_expand = Launcher(_tile_expand_kernel)
 
 
 def add_lora_tiles_siblings(outs: Sequence[torch.Tensor], x: torch.Tensor, tiles: LoraTiles, tables: SlotPointers,
