@@ -581,7 +581,7 @@ class ModelRunner:
             decode_groups=[
                 DecodeGroup(long(g), long([query_start_loc[s] for s in g]), long([seq_lens[s] for s in g]),
                             max(seq_lens[s] for s in g))
-                for g in group_by_length(decode_seqs, seq_lens)
+                for g in self._decode_groups(decode_seqs, seq_lens)
             ],
             prefill_seqs=prefill_seqs,
         )
@@ -589,6 +589,12 @@ class ModelRunner:
         if self.encoder_decoder or self.image_states:
             self._add_states(scheduled, batch)
         return batch
+
+    def _decode_groups(self, decode_seqs: list[int], seq_lens: list[int]) -> list[list[int]]:
+        """Decode sequences grouped by length where the backend pads each group to its longest; else one group."""
+        if self.backend.pads_decode_groups:
+            return group_by_length(decode_seqs, seq_lens)
+        return [decode_seqs] if decode_seqs else []
 
     def _add_states(self, scheduled: list[ScheduledRequest], batch: _Batch) -> None:
         """Cross-attention states: the rows of the states made this step (an encoder's inputs, or the

@@ -27,6 +27,10 @@ from loraplex.layers.kernels import fused_kernels_wanted
 
 
 class AttentionBackend(Protocol):
+    # Whether decode rows are attended over keys padded to their group's longest (then the runner groups them by
+    # length, engine/runner.py) rather than read from the paged cache in place, any lengths in one launch.
+    pads_decode_groups: bool
+
     def allocate_kv_cache(
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
         dtype: torch.dtype, device: torch.device,
@@ -113,6 +117,8 @@ class TorchAttentionBackend:
     Cache layout per layer: (keys, values), each [num_blocks, block_size, Hkv, D], views of one pool
     [layers, 2, num_blocks, ...] per allocation (so that `clear_blocks` zeroes a block in every layer at once).
     """
+
+    pads_decode_groups = True
 
     def __init__(self) -> None:
         self._pools: list[torch.Tensor] = []
@@ -328,11 +334,17 @@ class TritonAttentionBackend(TorchAttentionBackend):
     """CUDA: decode rows attend to the paged cache in place (`layers/kernels/paged_decode.py`: GQA, sliding
     windows, ALiBi), with no gather into a padded copy; fresh prompts attend in one variable-length FlashAttention
     launch per layer, prompts resumed over cached context in another (`layers/kernels/varlen_prefill.py`). Score
-    biases, encoder and cross-attention, and decode under T5's relative position bias are the torch reference's."""
+    biases, encoder and cross-attention, and decode under T5's relative position bias are the torch reference's.
+
+    An eager step's decode rows come in one group whatever their lengths: each group costs a kernel pair and a
+    gather and scatter of its rows per layer (five groups were ~750 of an online prompt step's ~2,000 launches),
+    and the kernel reads each row's own length. (Under T5's bias the reference then pads to the longest.)"""
+
+    pads_decode_groups = False
 
     @staticmethod
     def _write_kv(key_cache, value_cache, slots, k, v) -> None:
-        if fused_kernels_wanted(k.device) and k.stride(-1) == v.stride(-1) == 1:  # in a CUDA graph: one launch
+        if fused_kernels_wanted(k.device) and k.stride(-1) == v.stride(-1) == 1:  # one launch, not two
             from loraplex.layers.kernels.kv_write import write_kv
 
             return write_kv(key_cache, value_cache, slots, k, v)
