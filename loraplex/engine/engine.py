@@ -5,6 +5,7 @@ Synchronous and single-threaded; `AsyncEngine` drives it from a background threa
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -31,12 +32,14 @@ from loraplex.engine.speculative import SpecDecodeCounters, drafts_for
 from loraplex.engine.verification import SampledToken
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.layers import LoraSlots
+from loraplex.lora.staging import STAGED_ADAPTERS
 from loraplex.params import GrammarSpec, SamplingParams, TokenInfo
 from loraplex.structured import GrammarError, GrammarLimits, Grammars, GrammarTooCostly, advance
 from loraplex.tokenizer import IncrementalDetokenizer, find_stop
 
 
 CPU_KV_CACHE_CAP_BYTES = 2 << 30
+STAGE_LOOKAHEAD = 256  # waiting requests looked through for the adapters to stage next
 
 log = logging.getLogger(__name__)
 
@@ -375,6 +378,8 @@ class Engine:
             for item in plan.scheduled:  # queue time ends when a request's first step begins
                 if item.request.first_scheduled_time is None:
                     item.request.first_scheduled_time = started
+        if self.scheduler.waiting or self.lora.staged:
+            self._stage_next_installs()  # while this step runs
         if plan.scheduled and self._overlap and self.runner.launchable(plan.scheduled):
             self._in_flight = self._launch(plan, landing)
         if landing is not None:
@@ -426,14 +431,15 @@ class Engine:
         requests for it and leaves its slot empty (a later request for it installs it again); requests that
         read blocks they were to write are requeued (containment.py); the rest of the step runs."""
         broken: dict[str, str] = {}
-        for slot, key in plan.installs:
-            adapter = self._adapters[key][0]
-            try:
-                self.lora.install(slot, adapter)
-            except Exception as error:  # noqa: BLE001
-                log.error("installing adapter %r failed: %r", adapter.adapter_id, error)
-                self.lora.clear(slot)  # an install stopped half way must leave nothing behind
-                broken[key] = f"adapter {adapter.adapter_id!r} could not be installed: {error}"
+        with self.lora.installs():
+            for slot, key in plan.installs:
+                adapter = self._adapters[key][0]
+                try:
+                    self.lora.install(slot, adapter)
+                except Exception as error:  # noqa: BLE001
+                    log.error("installing adapter %r failed: %r", adapter.adapter_id, error)
+                    self.lora.clear(slot)  # an install stopped half way must leave nothing behind
+                    broken[key] = f"adapter {adapter.adapter_id!r} could not be installed: {error}"
         if not broken:
             return []
         writers = writers_of(plan.scheduled, self.scheduler.config.block_size)
@@ -450,6 +456,18 @@ class Engine:
             self.scheduler.slots.evict(adapter_id)
             assert self.lora.occupant[slot] is None, "a failed install left an adapter in its slot"
         return outputs
+
+    def _stage_next_installs(self) -> None:
+        """Have the adapters that the waiting queue wants next, and no slot holds, laid out ahead of their
+        installs (lora/staging.py); in queue order, as the scheduler admits."""
+        slots, wanted = self.scheduler.slots, {}
+        for request in itertools.islice(self.scheduler.waiting, STAGE_LOOKAHEAD):
+            key = request.adapter_id
+            if key is not None and key not in wanted and slots.slot_of(key) is None:
+                wanted[key] = self._adapters[key][0]
+                if len(wanted) == STAGED_ADAPTERS:
+                    break
+        self.lora.stage_ahead(list(wanted.values()))
 
     def _settle(self, scheduled: list[ScheduledRequest], results: list[StepResult]) -> list[RequestOutput]:
         """Fail the requests whose result is an error and requeue those to be requeued (in step order: a writer

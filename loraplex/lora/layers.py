@@ -24,6 +24,7 @@ from loraplex.layers.forward_context import LoraGroups, LoraSegment, current_lor
 from loraplex.lora.adapter import BaseShapes, LoraAdapter, LoraWeights
 from loraplex.lora.kernels import SlotPointers, add_lora, add_lora_stacked
 from loraplex.lora.upload import AdapterUploader, Uploaded
+from loraplex.lora.staging import StagedUploads
 from loraplex.quantization import dequantized_weight
 
 # Which rows a LoRA-wrapped linear sees (DESIGN.md 7), by its module path: the output head sees the rows
@@ -171,6 +172,7 @@ class LoraSlots:
         # Where each slot's weights live, for the per-row kernels (kept in step with the uploads by `install`).
         self.pointers = SlotPointers(list(self.layers), num_slots, device)
         self._uploader = AdapterUploader(device, dtype)
+        self._staged = StagedUploads(self._uploader)
         self._stack: tuple[tuple[int, ...], Stack] | None = None  # the last one built, until an install
 
     @property
@@ -183,11 +185,25 @@ class LoraSlots:
         unknown = adapter.modules.keys() - self.layers.keys()
         assert not unknown, f"adapter {adapter.adapter_id} targets modules the model lacks: {sorted(unknown)[:3]}"
         assert adapter.max_rank <= self.max_rank, f"adapter {adapter.adapter_id} has rank {adapter.max_rank} > {self.max_rank}"
-        uploaded = self._uploader.upload(adapter.modules, adapter.flat, adapter.layout)
+        staged = self._staged.take(adapter)
+        uploaded = self._uploader.upload(adapter.modules, adapter.flat, adapter.layout, staged)
         self._uploads[slot], self._views[slot] = uploaded, None
         self.pointers.set_slot_uploaded(slot, uploaded)
         self.occupant[slot] = adapter.key
         self._stack = None
+
+    def installs(self):
+        """A context for a step's installs: the slot tables reach the device once, at its end."""
+        return self.pointers.deferred()
+
+    def stage_ahead(self, adapters: list[LoraAdapter]) -> None:
+        """Lay out, on a worker thread, the adapters to be installed next (in that order; lora/staging.py)."""
+        self._staged.want(adapters)
+
+    @property
+    def staged(self) -> list[str]:
+        """Keys of the adapters staged ahead."""
+        return self._staged.staged_keys
 
     def clear(self, slot: int) -> None:
         """Empty `slot` (after an install that failed part way): no layer holds weights for it."""

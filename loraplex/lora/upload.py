@@ -52,10 +52,19 @@ class AdapterUploader:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # where the copies run
 
     def upload(self, modules: Mapping[str, LoraWeights], flat: torch.Tensor | None = None,
-               layout: Layout | None = None) -> Uploaded:
+               layout: Layout | None = None, staged: torch.Tensor | None = None) -> Uploaded:
         """The weights of `modules` on the device, in one fresh allocation laid out for the kernels. `flat`: the one
-        buffer `modules` are views of, when they are (`LoraAdapter.flat`); `layout`: theirs, when known."""
+        buffer `modules` are views of, when they are (`LoraAdapter.flat`); `layout`: theirs, when known; `staged`:
+        what `stage` made of them, when it was called ahead."""
         layout = layout if layout is not None else Layout.of(modules)
+        laid_out = staged if staged is not None else self.stage(modules, flat, layout)
+        buffer = self._to_device(laid_out) if laid_out.is_cpu and self.device.type != "cpu" else laid_out
+        return Uploaded(buffer, layout, tuple(w.scale for w in modules.values()))
+
+    def stage(self, modules: Mapping[str, LoraWeights], flat: torch.Tensor | None, layout: Layout) -> torch.Tensor:
+        """The host half of an upload: the weights laid out in the slots' dtype, in a fresh buffer (pinned host
+        memory on CUDA; on the device already when the weights are, or on the CPU). Thread-safe: `StagedUploads`
+        runs it ahead of the install, on its own thread."""
         source = [flat] if flat is not None else [t for w in modules.values() for t in (w.a, w.b)]
         # Weights already on a GPU (a benchmark's, built there) are laid out there: no round trip through the host.
         staged = self._staged and any(t.is_cpu for t in source)
@@ -69,8 +78,7 @@ class AdapterUploader:
             for name, (a, b) in layout.views(target).items():
                 a.copy_(modules[name].a)
                 b.copy_(modules[name].b)
-        buffer = self._to_device(target) if staged else target
-        return Uploaded(buffer, layout, tuple(w.scale for w in modules.values()))
+        return target
 
     def _to_device(self, staging: torch.Tensor) -> torch.Tensor:
         """`staging` copied to a fresh device buffer; on CUDA, on the side stream (see the module's notes)."""

@@ -13,6 +13,7 @@ kernel (`bgmv.py`) must match it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -36,6 +37,19 @@ class SlotPointers:
                       torch.zeros(shape, dtype=torch.float32))
         self.pointers, self.ranks, self.scales = (t.to(device) for t in self._host)
         self.targeted: frozenset[str] = frozenset()  # the layers some slot's adapter targets
+        self._deferred = 0  # > 0: inside `deferred`, the device copy waits for its end
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Slots set inside reach the device tables in one copy at the end (a step's installs: a copy of the whole
+        tables per install cost more than the entries)."""
+        self._deferred += 1
+        try:
+            yield
+        finally:
+            self._deferred -= 1
+            if not self._deferred:
+                self._to_device()
 
     def set_slot(self, slot: int, weights: Mapping[str, LoraWeights | None]) -> None:
         """Point `slot` at these weights (on the tables' device, contiguous); layers absent or None: rank 0."""
@@ -58,7 +72,7 @@ class SlotPointers:
     def _point(self, slot: int, names: list[str], addresses: torch.Tensor, ranks: torch.Tensor,
                scales: list[float]) -> None:
         """Write `slot`'s entries (`names`' A and B.T addresses [M, 2], ranks, scales; every other layer's: none)
-        and copy the tables to the device."""
+        and copy the tables to the device (now, or at the end of `deferred`)."""
         layers = torch.tensor([self.index[name] for name in names], dtype=torch.int64)
         host_pointers, host_ranks, host_scales = self._host
         host_pointers[:, slot] = 0
@@ -67,13 +81,17 @@ class SlotPointers:
         host_pointers[layers, slot] = addresses
         host_ranks[layers, slot] = ranks
         host_scales[layers, slot] = torch.tensor(scales, dtype=torch.float32)
+        if not self._deferred:
+            self._to_device()
+
+    def _to_device(self) -> None:
         # From a pinned snapshot, without blocking: a step may be in flight (engine/overlap.py), and a copy from
         # pageable memory would make the host wait for it. Queued on the stream, the copy lands after that step
         # (which keeps the entries it was launched with) and before the next.
         for device_table, host_table in zip((self.pointers, self.ranks, self.scales), self._host):
             snapshot = host_table.pin_memory() if device_table.is_cuda else host_table
             device_table.copy_(snapshot, non_blocking=device_table.is_cuda)
-        targeted = (host_ranks != 0).any(dim=1).tolist()
+        targeted = (self._host[1] != 0).any(dim=1).tolist()
         self.targeted = frozenset(name for name, i in self.index.items() if targeted[i])
 
     def layer(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
