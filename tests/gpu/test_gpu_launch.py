@@ -131,3 +131,13 @@ def test_positional_constexprs_are_refused():
     x, out, args, kwargs = _case(torch.float32, 0, 17, 3)
     with pytest.raises(TypeError, match="positional"):
         launcher[(1,)](*args, BLOCK, False)
+
+
+def test_eager_layers_take_the_fused_kernels_when_launched_directly(monkeypatch):
+    """Eager steps take the fused elementwise kernels (an RMSNorm in one launch, not eight) only while launches go
+    direct; through Triton's own path the torch ops cost an eager step less."""
+    from loraplex.layers.kernels import fused_kernels_wanted
+
+    assert fused_kernels_wanted(torch.device(DEVICE))
+    monkeypatch.setenv("LORAPLEX_DIRECT_LAUNCH", "0")
+    assert not fused_kernels_wanted(torch.device(DEVICE))

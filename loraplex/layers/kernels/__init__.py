@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -23,10 +24,18 @@ def triton_available(device: torch.device) -> bool:
     return device.type == "cuda" and _triton_importable()
 
 
+def direct_launches() -> bool:
+    """Whether Triton kernels launch directly (launch.py), as they do unless LORAPLEX_DIRECT_LAUNCH=0."""
+    return os.environ.get("LORAPLEX_DIRECT_LAUNCH", "1") != "0"
+
+
 def fused_kernels_wanted(device: torch.device) -> bool:
-    """Whether a layer should take its fused Triton kernel (elementwise.py) rather than its torch ops: only while a
-    CUDA graph is being captured. An eager Triton launch costs tens of microseconds of host time, more than the
-    few small torch kernels it replaces; in a graph that cost is paid once, at capture. The eager pass before a
-    capture (ForwardContext.graph_warm_up) takes them too, so that they are compiled and loaded before the capture
-    starts."""
-    return triton_available(device) and (in_graph_warm_up() or torch.cuda.is_current_stream_capturing())
+    """Whether a layer should take its fused Triton kernel (elementwise.py, kv_write.py) rather than its torch ops.
+
+    On CUDA: in eager steps when kernels launch directly (launch.py: ~10 us of host time per launch, less than the
+    several torch ops each replaces, at ~6-30 us each; an RMSNorm is eight of them), and always while a CUDA graph is
+    captured, where a launch is paid once. Through Triton's own launch path (24-29 us) the torch ops cost an eager
+    step less. The eager pass before a capture (ForwardContext.graph_warm_up) takes them too, so that they are
+    compiled and loaded before the capture starts."""
+    return triton_available(device) and (
+        direct_launches() or in_graph_warm_up() or torch.cuda.is_current_stream_capturing())

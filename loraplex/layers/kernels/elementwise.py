@@ -1,7 +1,8 @@
 """Fused elementwise kernels for CUDA: each does in one launch what its torch reference does in several, with the
 same rounding steps (values are rounded to the tensor's dtype wherever the reference rounds them), so a decode
-step launches a few kernels per layer instead of dozens. Layers take them while a CUDA graph is captured
-(`fused_kernels_wanted`); eager steps keep the torch ops, whose launches cost the host less. The references: `RMSNorm.forward` and `RMSNorm.add_and_norm` (layers/norms.py),
+step launches a few kernels per layer instead of dozens. Layers take them while a CUDA graph is captured and, launched
+directly (launch.py), in eager steps too (`fused_kernels_wanted`). The references: `RMSNorm.forward` and
+`RMSNorm.add_and_norm` (layers/norms.py),
 `apply_rotary` (layers/rotary.py), `silu(gate) * up` (layers/activation.py); tests/gpu/test_gpu_elementwise.py.
 """
 
@@ -11,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from loraplex.layers.kernels.launch import Launcher
 
 
 @triton.jit
@@ -30,8 +33,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     assert rows.stride(-1) == 1 and weight.dtype == x.dtype
     out = torch.empty_like(rows)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.shape[1], eps, rows.stride(0), out.stride(0),
-                                       BLOCK=triton.next_power_of_2(rows.shape[1]))
+    _rms_norm[(rows.shape[0],)](rows, weight, out, rows.shape[1], eps, rows.stride(0), out.stride(0),
+                                BLOCK=triton.next_power_of_2(rows.shape[1]))
     return out.view(x.shape)
 
 
@@ -59,8 +62,8 @@ def add_rms_norm(
     assert x.stride(1) == residual.stride(1) == 1
     summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, summed, out, x.shape[1], eps, x.stride(0),
-                                        residual.stride(0), BLOCK=triton.next_power_of_2(x.shape[1]))
+    _add_rms_norm[(x.shape[0],)](x, residual, weight, summed, out, x.shape[1], eps, x.stride(0),
+                                 residual.stride(0), BLOCK=triton.next_power_of_2(x.shape[1]))
     return out, summed
 
 
@@ -84,7 +87,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rows, size = gate.shape
     out = torch.empty(rows, size, dtype=gate.dtype, device=gate.device)
     block = 1024
-    _silu_and_mul_kernel[(rows, triton.cdiv(size, block))](gate, up, out, size, gate.stride(0), BLOCK=block)
+    _silu_and_mul[(rows, triton.cdiv(size, block))](gate, up, out, size, gate.stride(0), BLOCK=block)
     return out
 
 
@@ -117,6 +120,13 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     assert x.stride(2) == 1 and cos.stride(-1) == 1 and cos.stride() == sin.stride() and dim % 2 == 0
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     half = dim // 2
-    _rotary_kernel[(rows, heads)](x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0),
-                                  HALF=half, HALF_P=triton.next_power_of_2(half))
+    _rotary[(rows, heads)](x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0),
+                           HALF=half, HALF_P=triton.next_power_of_2(half))
     return out
+
+
+# Eager steps launch these for every layer: launched directly (launch.py says why).
+_rms_norm = Launcher(_rms_norm_kernel)
+_add_rms_norm = Launcher(_add_rms_norm_kernel)
+_silu_and_mul = Launcher(_silu_and_mul_kernel)
+_rotary = Launcher(_rotary_kernel)

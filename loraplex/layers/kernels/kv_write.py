@@ -1,12 +1,15 @@
 """A step's new keys and values written into the paged KV cache in one launch: what the reference's two
-`index_copy_` calls do (`TorchAttentionBackend._write_kv`), for a decode step captured in a CUDA graph, where
-each launch saved is a few microseconds of every layer (tests/gpu/test_gpu_elementwise.py)."""
+`index_copy_` calls do (`TorchAttentionBackend._write_kv`), in a decode step captured in a CUDA graph and in eager
+steps (`fused_kernels_wanted`), where each launch saved is a few microseconds of every layer
+(tests/gpu/test_gpu_elementwise.py)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from loraplex.layers.kernels.launch import Launcher
 
 
 @triton.jit
@@ -30,6 +33,8 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Te
     rows, heads, dim = k.shape
     assert key_cache.is_contiguous() and value_cache.is_contiguous() and k.stride(2) == 1 and v.stride(2) == 1
     assert key_cache.shape[2:] == (heads, dim) and v.shape == k.shape and k.dtype == v.dtype == key_cache.dtype
-    _write_kv_kernel[(rows,)](k, v, slots, key_cache, value_cache, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                              HEADS=heads, DIM=dim, HEADS_P=triton.next_power_of_2(heads),
-                              DIM_P=triton.next_power_of_2(dim))
+    _write_kv[(rows,)](k, v, slots, key_cache, value_cache, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                       HEADS=heads, DIM=dim, HEADS_P=triton.next_power_of_2(heads), DIM_P=triton.next_power_of_2(dim))
+
+
+_write_kv = Launcher(_write_kv_kernel)  # every layer of an eager step: launched directly (launch.py)

@@ -19,13 +19,14 @@ this rests on), every call goes through Triton's path.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
 from triton import knobs
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction
+
+from loraplex.layers.kernels import direct_launches
 
 try:  # Triton's own specialisation of one argument (C++); absent from older releases
     from triton._C.libtriton import native_specialize_impl
@@ -45,8 +46,7 @@ class Launcher:
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
-        self.direct = (isinstance(kernel, JITFunction) and native_specialize_impl is not None
-                       and os.environ.get("LORAPLEX_DIRECT_LAUNCH", "1") != "0")
+        self.direct = isinstance(kernel, JITFunction) and native_specialize_impl is not None and direct_launches()
         self._compiled: dict[tuple, Any] = {}
         if not self.direct:
             return
