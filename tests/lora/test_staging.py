@@ -64,7 +64,16 @@ def test_a_steps_installs_reach_the_device_tables_in_one_copy(monkeypatch):
     pointers = SlotPointers(["m0", "m1", "m2"], 4, torch.device("cpu"))
     uploader = AdapterUploader(torch.device("cpu"), torch.float32)
     copies = []
-    monkeypatch.setattr(pointers, "_to_device", lambda: copies.append(len(copies)))
+    to_device = pointers._to_device
+
+    def counted():
+        copies.append(len(copies))
+        to_device()
+
+    monkeypatch.setattr(pointers, "_to_device", counted)
+    with pointers.deferred():
+        pass
+    assert copies == []  # a step without installs copies nothing (every step enters the context)
     with pointers.deferred():
         pointers.set_slot_uploaded(0, uploader.upload(modules(1)))
         pointers.set_slot_uploaded(1, uploader.upload(modules(2, ranks=(4, 0, 1))))

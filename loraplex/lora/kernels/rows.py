@@ -38,17 +38,18 @@ class SlotPointers:
         self.pointers, self.ranks, self.scales = (t.to(device) for t in self._host)
         self.targeted: frozenset[str] = frozenset()  # the layers some slot's adapter targets
         self._deferred = 0  # > 0: inside `deferred`, the device copy waits for its end
+        self._stale = False  # a slot was set inside `deferred`: the device tables are behind the host's
 
     @contextlib.contextmanager
     def deferred(self):
-        """Slots set inside reach the device tables in one copy at the end (a step's installs: a copy of the whole
-        tables per install cost more than the entries)."""
+        """Slots set inside reach the device tables in one copy at the end, if any was set (a step's installs: a
+        copy of the whole tables per install cost more than the entries)."""
         self._deferred += 1
         try:
             yield
         finally:
             self._deferred -= 1
-            if not self._deferred:
+            if not self._deferred and self._stale:
                 self._to_device()
 
     def set_slot(self, slot: int, weights: Mapping[str, LoraWeights | None]) -> None:
@@ -81,7 +82,9 @@ class SlotPointers:
         host_pointers[layers, slot] = addresses
         host_ranks[layers, slot] = ranks
         host_scales[layers, slot] = torch.tensor(scales, dtype=torch.float32)
-        if not self._deferred:
+        if self._deferred:
+            self._stale = True
+        else:
             self._to_device()
 
     def _to_device(self) -> None:
@@ -93,6 +96,7 @@ class SlotPointers:
             device_table.copy_(snapshot, non_blocking=device_table.is_cuda)
         targeted = (self._host[1] != 0).any(dim=1).tolist()
         self.targeted = frozenset(name for name, i in self.index.items() if targeted[i])
+        self._stale = False
 
     def layer(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One layer's tables: pointers [S, 2], ranks [S], scales [S] (views of the device tables)."""
