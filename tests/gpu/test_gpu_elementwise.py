@@ -24,14 +24,17 @@ def reference_rms_norm(x, weight, eps):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(1, 4096), (37, 576), (5, 9, 64)])
-def test_rms_norm(dtype, shape):
+def test_rms_norm(dtype, shape, monkeypatch):
     x = torch.randn(shape, device=DEVICE).to(dtype) * 3
     weight = torch.randn(shape[-1], device=DEVICE).to(dtype)
     got, expected = rms_norm(x, weight, 1e-5), reference_rms_norm(x, weight, 1e-5)
     torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
     norm = RMSNorm(shape[-1], 1e-5).to(DEVICE, dtype)
     norm.weight.data.copy_(weight)
-    torch.testing.assert_close(norm(x), expected, atol=0, rtol=0)  # eager: the torch ops
+    torch.testing.assert_close(norm(x), got, atol=0, rtol=0)  # eager, launched directly: the kernel
+    with monkeypatch.context() as through_triton:
+        through_triton.setenv("LORAPLEX_DIRECT_LAUNCH", "0")
+        torch.testing.assert_close(norm(x), expected, atol=0, rtol=0)  # eager through Triton's path: the torch ops
     norm(x)  # warm-up before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -50,7 +53,8 @@ def test_add_rms_norm(dtype, shape):
     torch.testing.assert_close(normed, reference_rms_norm(residual + x, weight, 1e-5), **TOLERANCE[dtype])
     norm = RMSNorm(shape[-1], 1e-5).to(DEVICE, dtype)
     norm.weight.data.copy_(weight)
-    eager = norm.add_and_norm(x, residual)  # the torch ops
+    eager = norm.add_and_norm(x, residual)  # launched directly: the kernel
+    torch.testing.assert_close(eager[0], normed, atol=0, rtol=0)
     torch.testing.assert_close(eager[1], summed, atol=0, rtol=0)
     norm.add_and_norm(x, residual)  # warm-up before capture
     graph = torch.cuda.CUDAGraph()
