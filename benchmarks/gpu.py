@@ -65,6 +65,7 @@ from benchmarks.workload import Workload, equal_workload, round_robin
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.loading import LoadedModel
+from loraplex.server.heap import freeze_start_up_heap
 
 WORKLOADS = ("135m", "8b", "8b-single", "8b-64", "online")
 ROOFLINE_TARGET = 0.70  # 8b-single and 8b-64: decode tokens/s as a fraction of the roofline
@@ -328,6 +329,8 @@ def bench_online(args, loaded: LoadedModel) -> list:
         max_total_tokens=args.prompt_lens[1] + args.output_lens[1], max_active_adapters=slots,
         max_lora_rank=SPEC.rank, prefix_caching=False,  # repeats rerun the same prompts: no run may reuse another's
     ))
+    if args.gc == "server":  # as `loraplex serve` does once started; the adapters, made after, stay unfrozen
+        freeze_start_up_heap()
     adapters = [random_adapter(f"online-{k}", engine.lora.base_shapes, SPEC, SPEC.rank, seed=args.seed * 7919 + k)
                 for k in range(args.num_adapters)]
     for adapter in adapters:  # hashed now, as the server's store does at load, not on first use in the timed run
@@ -343,10 +346,7 @@ def bench_online(args, loaded: LoadedModel) -> list:
     run_online(engine, warm, adapters, "warm-up")
     captured = warm_decode_graphs(engine, adapters, c.vocab_size, special)
     print(f"  online: warm-up captured {captured} decode graphs", file=sys.stderr, flush=True)
-    if args.gc == "freeze":  # what a server does after its start-up (or not: a diagnostic)
-        gc.collect()
-        gc.freeze()
-    elif args.gc == "off":  # an upper bound of what the collector costs the runs
+    if args.gc == "off":  # a diagnostic: an upper bound of what the collector costs the runs
         gc.disable()
     # The same arrivals three ways: over every adapter, all on one adapter (the 1,000-adapters-vs-one
     # ratio), and on the base model. With --repeats the systems take turns and each keeps its shortest run: the
@@ -448,13 +448,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "--trace-steps traced (benchmarks/step_trace.py): DIR/online-<system>.json.gz and a summary")
     p.add_argument("--trace-steps", type=_pair, default=[40, 120], metavar="FIRST,COUNT",
                    help="online, with --trace: the steps traced, counted from the run's first")
-    p.add_argument("--gc", choices=["default", "freeze", "off"], default="default",
-                   help="online, a diagnostic: after the warm-up, freeze Python's garbage collector's heap, or turn "
-                   "the collector off for the runs")
+    p.add_argument("--gc", choices=["server", "python", "off"], default=None,
+                   help="online: Python's garbage collector as the server sets it (its start-up heap frozen, "
+                   "server/heap.py; the default, but with --smoke), Python's defaults, or off for the runs (a "
+                   "diagnostic)")
     args = p.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if unknown := set(args.workloads) - set(WORKLOADS):
         p.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
+    args.gc = args.gc or ("python" if args.smoke else "server")  # a smoke run in a test process freezes nothing
     if args.smoke:
         args.device = args.device or "cpu"
         if args.requests is None:

@@ -249,6 +249,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from loraplex.engine.async_engine import AsyncEngine
     from loraplex.server.app import create_app
+    from loraplex.server.heap import freeze_start_up_heap
 
     from loraplex.server.logs import configure_logging
 
@@ -284,6 +285,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_keys=tuple(args.api_key or ()),
     )
     app = create_app(AsyncEngine(engine), server_config)
+    freeze_start_up_heap()  # later full collections, which pause the engine thread, skip the model (heap.py)
     # Bind before saying "ready": from that line on, connections queue in the backlog.
     family = socket.getaddrinfo(args.hostname, args.port, type=socket.SOCK_STREAM)[0][0]
     sock = socket.socket(family, socket.SOCK_STREAM)
