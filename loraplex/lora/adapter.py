@@ -26,6 +26,8 @@ import torch
 from loraplex.json_files import JsonFileError, read_json_object
 from loraplex.lora.errors import AdapterError, AdapterInvalid, AdapterNotFound
 from loraplex.lora.layout import Layout
+from loraplex.lora.packed import PackedModules
+from loraplex.lora.weights import LoraWeights
 from loraplex.lora.patterns import MatchBudget, UserPattern
 from loraplex.safetensors_check import SafetensorsHeaderError, read_header
 
@@ -254,22 +256,6 @@ def check_weights(name: str, weights: "LoraWeights") -> None:
 
 
 @dataclass
-class LoraWeights:
-    """One module's LoRA: delta(x) = scale * (x @ a.T) @ b.T."""
-
-    a: torch.Tensor  # [r, in]
-    b: torch.Tensor  # [out, r]
-    scale: float
-
-    @property
-    def rank(self) -> int:
-        return self.a.shape[0]
-
-    def to(self, device: torch.device | str, dtype: torch.dtype) -> "LoraWeights":
-        return LoraWeights(self.a.to(device, dtype), self.b.to(device, dtype), self.scale)
-
-
-@dataclass
 class LoraAdapter:
     """A loaded adapter: weights per base-model module name (only the modules it targets).
 
@@ -292,10 +278,14 @@ class LoraAdapter:
 
     @property
     def max_rank(self) -> int:
+        if isinstance(self.modules, PackedModules):
+            return self.modules.max_rank
         return max(w.rank for w in self.modules.values())
 
     @property
     def nbytes(self) -> int:
+        if isinstance(self.modules, PackedModules):
+            return self.modules.nbytes
         return sum(w.a.nbytes + w.b.nbytes for w in self.modules.values())
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "LoraAdapter":
@@ -309,17 +299,19 @@ class LoraAdapter:
         layout = Layout.of(self.modules)
         first = next(iter(self.modules.values()))
         flat = torch.zeros(layout.length, dtype=first.a.dtype, device=first.a.device)  # zeros: no stray bytes in the gaps
-        modules = {}
         for name, (a, b) in layout.views(flat).items():
             w = self.modules[name]
             a.copy_(w.a)
             b.copy_(w.b)
-            modules[name] = LoraWeights(a, b, w.scale)
+        # Its modules as views made when read (packed.py: a few objects for the garbage collector, not ~640).
+        modules = PackedModules(flat, layout, {name: w.scale for name, w in self.modules.items()})
         return dataclasses.replace(self, modules=modules, flat=flat)
 
     @functools.cached_property
     def layout(self) -> Layout:
         """Where its modules lie in one flat buffer (`flat`'s layout, when it has one); kept for its installs."""
+        if isinstance(self.modules, PackedModules):
+            return self.modules.layout
         return Layout.of(self.modules)
 
     @functools.cached_property

@@ -52,9 +52,16 @@ class Layout:
     def views(self, buffer: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """module name -> (A [r, in], B [out, r]) as views of `buffer` (B the transposed view of its dense B.T)."""
         assert buffer.dim() == 1 and buffer.numel() >= self.length and buffer.is_contiguous()
+        return {name: self._view(buffer, entry) for name, entry in self.entries.items()}
+
+    def view(self, buffer: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """One module's (A, B) as `views` gives them."""
+        assert buffer.dim() == 1 and buffer.numel() >= self.length and buffer.is_contiguous()
+        return self._view(buffer, self.entries[name])
+
+    @staticmethod
+    def _view(buffer: torch.Tensor, entry: tuple[int, int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        a_at, rank, n_in, b_at, n_out = entry
         base = buffer.storage_offset()
-        return {
-            name: (buffer.as_strided((rank, n_in), (n_in, 1), base + a_at),
-                   buffer.as_strided((n_out, rank), (1, n_out), base + b_at))
-            for name, (a_at, rank, n_in, b_at, n_out) in self.entries.items()
-        }
+        return (buffer.as_strided((rank, n_in), (n_in, 1), base + a_at),
+                buffer.as_strided((n_out, rank), (1, n_out), base + b_at))

@@ -23,8 +23,9 @@ from typing import Mapping
 
 import torch
 
-from loraplex.lora.adapter import LoraWeights
 from loraplex.lora.layout import Layout
+from loraplex.lora.packed import PackedModules
+from loraplex.lora.weights import LoraWeights
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,7 +60,7 @@ class AdapterUploader:
         layout = layout if layout is not None else Layout.of(modules)
         laid_out = staged if staged is not None else self.stage(modules, flat, layout)
         buffer = self._to_device(laid_out) if laid_out.is_cpu and self.device.type != "cpu" else laid_out
-        return Uploaded(buffer, layout, tuple(w.scale for w in modules.values()))
+        return Uploaded(buffer, layout, module_scales(modules))
 
     def stage(self, modules: Mapping[str, LoraWeights], flat: torch.Tensor | None, layout: Layout) -> torch.Tensor:
         """The host half of an upload: the weights laid out in the slots' dtype, in a fresh buffer (pinned host
@@ -91,6 +92,13 @@ class AdapterUploader:
         main.wait_stream(self.stream)
         buffer.record_stream(main)
         return buffer
+
+
+def module_scales(modules: Mapping[str, LoraWeights]) -> tuple[float, ...]:
+    """Each module's scale, in the modules' order (a packed adapter's without making its views)."""
+    if isinstance(modules, PackedModules):
+        return tuple(modules.scales[name] for name in modules)
+    return tuple(w.scale for w in modules.values())
 
 
 def laid_out(weights: LoraWeights) -> LoraWeights:
