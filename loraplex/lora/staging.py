@@ -28,7 +28,8 @@ class StagedUploads:
     def __init__(self, uploader: AdapterUploader, limit: int = STAGED_ADAPTERS) -> None:
         self.uploader, self.limit = uploader, limit
         self._staged: dict[str, tuple[LoraAdapter, Future]] = {}
-        self._worker: ThreadPoolExecutor | None = None  # started at the first adapter staged
+        # Started at the first adapter staged; its thread ends when this object is collected.
+        self._worker: ThreadPoolExecutor | None = None
 
     def want(self, adapters: Sequence[LoraAdapter]) -> None:
         """Stage the first `limit` distinct adapters of `adapters` (in the order they will be installed); drop what
@@ -61,12 +62,6 @@ class StagedUploads:
     @property
     def staged_keys(self) -> list[str]:
         return list(self._staged)
-
-    def close(self) -> None:
-        self._staged.clear()
-        if self._worker is not None:
-            self._worker.shutdown(wait=True, cancel_futures=True)
-            self._worker = None
 
 
 def _stageable(adapter: LoraAdapter) -> bool:

@@ -48,7 +48,6 @@ def test_the_first_distinct_adapters_are_staged_and_an_install_takes_their_buffe
     assert staging.staged_keys == ["c"] and staging.take(b) is None
     reloaded = adapter("c", 4)  # the same key, other weights: the buffer staged for the old object is not used
     assert staging.take(reloaded) is None
-    staging.close()
 
 
 def test_a_failed_staging_raises_at_the_install_that_takes_it():
@@ -57,7 +56,6 @@ def test_a_failed_staging_raises_at_the_install_that_takes_it():
     staging.want([a])
     with pytest.raises(RuntimeError, match="disk gone"):
         staging.take(a)
-    staging.close()
 
 
 def test_a_steps_installs_reach_the_device_tables_in_one_copy(monkeypatch):
