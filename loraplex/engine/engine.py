@@ -378,8 +378,8 @@ class Engine:
             for item in plan.scheduled:  # queue time ends when a request's first step begins
                 if item.request.first_scheduled_time is None:
                     item.request.first_scheduled_time = started
-        if self.scheduler.waiting or self.lora.staged:
-            self._stage_next_installs()  # while this step runs
+        if (self._adapters and self.scheduler.waiting) or self.lora.staged:
+            self._stage_next_installs()  # while this step runs (a base-model queue has nothing to stage)
         if plan.scheduled and self._overlap and self.runner.launchable(plan.scheduled):
             self._in_flight = self._launch(plan, landing)
         if landing is not None:
