@@ -24,7 +24,8 @@ all prompts in one step) and decode tokens/s (tokens after each request's first,
 against the roofline of benchmarks/roofline.py at the decode's average context. Prefix caching is off in the
 engines (a repeat would otherwise reuse its own prompts' blocks). The online engine captures every decode graph
 before timing (`online.warm_decode_graphs`); with `--repeats` its three systems take turns too, each keeping its
-shortest run; `--profile DIR` writes each of its timed runs' cProfile stats there, `--profile-gpu DIR` a table of
+shortest run, and each round's ratios of the adapter system to the others are given with their median (runs
+close in time: steadier than the best runs' ratio on a host whose speed drifts); `--profile DIR` writes each of its timed runs' cProfile stats there, `--profile-gpu DIR` a table of
 its kernels' device times (torch's profiler), and `--trace DIR` adds an untimed run per system with a window of
 its steps traced (benchmarks/step_trace.py: each step kind's host time, CUDA calls and kernels).
 
@@ -321,7 +322,9 @@ def _against(value: float, target: float, unit: str = "%") -> str:
 # ---- the online workload ----------------------------------------------------------------------------
 
 
-def bench_online(args, loaded: LoadedModel) -> list:
+def bench_online(args, loaded: LoadedModel) -> list[list[OnlineResult]]:
+    """The online workload's timed runs, round by round (each round one run per system: over every adapter, on
+    one adapter, on the base model)."""
     c, device = loaded.config, loaded.device
     slots = min(args.num_adapters, args.max_active_adapters)
     engine = Engine(loaded, EngineConfig(
@@ -355,16 +358,16 @@ def bench_online(args, loaded: LoadedModel) -> list:
     systems = ((f"loraplex, {args.num_adapters} adapters / {slots} slots", adapters),
                ("loraplex, one adapter", [adapters[0]] * args.num_adapters),
                ("loraplex, base model", None))
-    best: dict[str, OnlineResult] = {}
+    rounds: list[list[OnlineResult]] = []
     for repeat in range(args.repeats):
+        runs: list[OnlineResult | None] = [None] * len(systems)
         for k in [(repeat + i) % len(systems) for i in range(len(systems))]:
             label, used = systems[k]
             with _profiled(args.profile, f"online-{k}-{repeat}.pstats"), \
                     _gpu_profiled(args.profile_gpu, f"online-{k}-{repeat}.txt"):
-                result = run_online(engine, workload, used, label)
-            print(f"  online: {label}: {result.makespan_s:.1f}s", file=sys.stderr, flush=True)
-            if label not in best or result.makespan_s < best[label].makespan_s:
-                best[label] = result
+                runs[k] = run_online(engine, workload, used, label)
+            print(f"  online: {label}: {runs[k].makespan_s:.1f}s", file=sys.stderr, flush=True)
+        rounds.append(runs)
     if args.trace:  # one more run per system, untimed: the profiler's start and stop stall it
         os.makedirs(args.trace, exist_ok=True)
         first, count = args.trace_steps
@@ -375,7 +378,7 @@ def bench_online(args, loaded: LoadedModel) -> list:
             print("\n" + describe_trace(tracer, label), flush=True)
     gc.enable()
     del engine
-    return [best[label] for label, _ in systems]
+    return rounds
 
 
 @contextlib.contextmanager
@@ -513,11 +516,13 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if "online" in args.workloads:
-        results = bench_online(args, model(args.online_model))
-        figures["workloads"]["online"] = [r.to_json() for r in results]
+        rounds = bench_online(args, model(args.online_model))
+        best = [min(runs, key=lambda r: r.makespan_s) for runs in zip(*rounds)]  # each system's shortest run
+        figures["workloads"]["online"] = [r.to_json() for r in best]
+        figures["workloads"]["online_rounds"] = [[r.tokens_per_s for r in runs] for runs in rounds]
         setting = f"{models[args.online_model].model_id}, {name} {str(dtype).removeprefix('torch.')}" + (
             f"; best of {args.repeats} runs per system, taking turns" if args.repeats > 1 else "")
-        print("\n" + format_online(results, setting) + "\n", flush=True)
+        print("\n" + format_online(best, setting, rounds) + "\n", flush=True)
     print(f"total benchmark time {perf_counter() - started:.0f}s (models, warm-ups included), load average "
           f"{os.getloadavg()[0]:.1f}")
     if args.json:

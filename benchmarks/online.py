@@ -15,6 +15,7 @@ first token) / (output tokens - 1), for requests of two tokens or more; e2e = fi
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -218,7 +219,14 @@ def run_online(
     return OnlineResult(system, workload, times, makespan, max_running, {k: (n, t) for k, (n, t) in steps.items()})
 
 
-def format_online(results: list[OnlineResult], setting: str) -> str:
+def round_ratios(rounds: list[list[OnlineResult]]) -> list[list[float]]:
+    """Per other system, the first system's output tok/s over its, in each round (the systems' runs taken in
+    turns). A ratio of runs close in time is steadier than one of each system's best run when the host's speed
+    drifts between rounds; the median over rounds is the figure of record."""
+    return [[r[0].tokens_per_s / r[k].tokens_per_s for r in rounds] for k in range(1, len(rounds[0]))]
+
+
+def format_online(results: list[OnlineResult], setting: str, rounds: list[list[OnlineResult]] = ()) -> str:
     w = results[0].workload
     lines = [
         f"online (S-LoRA-style): {w.describe()}; greedy, EOS ignored; {setting}",
@@ -237,6 +245,10 @@ def format_online(results: list[OnlineResult], setting: str) -> str:
     first = results[0]
     lines += ["", *(f"{first.system}: {first.tokens_per_s / r.tokens_per_s:.2f}x the output tok/s of {r.system}"
                     for r in results[1:])]
+    if len(rounds) > 1:
+        for other, ratios in zip(results[1:], round_ratios(rounds)):
+            lines.append(f"{first.system} / {other.system}, round by round: "
+                         f"{', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f}x)")
     lines += ["", *(r.describe_steps() for r in results)]
     return "\n".join(lines)
 

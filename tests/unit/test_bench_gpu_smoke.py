@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pstats
+import statistics
 
 import pytest
 import torch
@@ -83,8 +84,17 @@ def test_online_repeats_take_turns_and_keep_each_systems_shortest_run(smoke_run,
         if line.startswith("  online: loraplex"):
             label, seconds = line.removeprefix("  online: ").rsplit(": ", 1)
             timed.setdefault(label, []).append(float(seconds.removesuffix("s")))
-    kept = json.loads(smoke_run.read_text())["workloads"]["online"]
+    figures = json.loads(smoke_run.read_text())["workloads"]
+    kept = figures["online"]
     assert [round(o["makespan_s"], 1) for o in kept] == [min(timed[label]) for label in systems]
+    rounds = figures["online_rounds"]  # each round's tok/s per system, in the systems' order
+    assert len(rounds) == 2 and all(len(r) == 3 for r in rounds)
+    assert max(r[0] for r in rounds) == pytest.approx(kept[0]["tokens_per_s"])  # same tokens: best = fastest
+    for k, other in ((1, systems[1]), (2, systems[2])):  # the paired ratios' line: each round's, and their median
+        ratios = [r[0] / r[k] for r in rounds]
+        line = f"{systems[0]} / {other}, round by round: {ratios[0]:.2f}, {ratios[1]:.2f} " \
+               f"(median {statistics.median(ratios):.2f}x)"
+        assert line in captured.out
 
 
 def test_roofline_bytes_of_a_decode_step():
