@@ -331,6 +331,7 @@ def bench_online(args, loaded: LoadedModel) -> list[list[OnlineResult]]:
         device=str(device), max_batch_total_tokens=args.kv_tokens, max_input_length=args.prompt_lens[1],
         max_total_tokens=args.prompt_lens[1] + args.output_lens[1], max_active_adapters=slots,
         max_lora_rank=SPEC.rank, prefix_caching=False,  # repeats rerun the same prompts: no run may reuse another's
+        max_waiting_tokens=args.max_waiting_tokens,
     ))
     if args.gc == "server":  # as `loraplex serve` does once started; the adapters, made after, stay unfrozen
         freeze_start_up_heap()
@@ -440,6 +441,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-active-adapters", type=int, default=128, help="online: device adapter slots (at most)")
     p.add_argument("--prompt-lens", type=_pair, default=[8, 512], metavar="LO,HI", help="online: prompt lengths")
     p.add_argument("--output-lens", type=_pair, default=[8, 256], metavar="LO,HI", help="online: output lengths")
+    p.add_argument("--max-waiting-tokens", type=int, default=EngineConfig.max_waiting_tokens,
+                   help="online: the engine's (engine/joins.py; 0: waiting requests join at every step)")
     p.add_argument("--kv-tokens", type=int, default=None,
                    help="online: KV cache tokens (default: the engine sizes it from free memory)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")

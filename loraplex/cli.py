@@ -71,13 +71,6 @@ def _non_negative(value: str) -> int:
     return number
 
 
-def _positive(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
-    return number
-
-
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-id", default=_env("MODEL_ID"), help="HF directory, cached repo id or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=_env("DTYPE"), choices=["float32", "bfloat16", "float16"])
@@ -107,6 +100,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=_env("OVERLAP_STEPS", None, _truthy),
                    help="launch each decode step before the host has read the last one's tokens (default: on with "
                         "CUDA graphs; outputs unchanged)")
+    # LoRAX's batching knobs (engine/joins.py): they act where decode steps replay CUDA graphs.
+    p.add_argument("--max-waiting-tokens", type=_non_negative, default=_env("MAX_WAITING_TOKENS", 20, _non_negative),
+                   help="with CUDA graphs: decode steps a waiting request may wait before it joins the running ones "
+                        "(0: it joins at every step)")
+    p.add_argument("--waiting-served-ratio", type=_positive_float, default=_env("WAITING_SERVED_RATIO", 1.2, _positive_float),
+                   help="with CUDA graphs: waiting requests join at once when they number at least this many times "
+                        "the running ones")
     p.add_argument("--speculative-tokens", type=_non_negative, default=_env("SPECULATIVE_TOKENS", 0, _non_negative),
                    help="speculative decoding: up to N tokens per step guessed from each request's own text "
                         "(n-gram lookup) and verified by the model; outputs unchanged (default 0: off)")
@@ -128,6 +128,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="where adapter ids are looked up unless a request says otherwise")
     p.add_argument("--adapter-root", action="append", default=_env("ADAPTER_ROOT", None, lambda v: v.split(",")),
                    help="directory local adapters may be loaded from (repeatable; none: local adapters off)")
+
+
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if not number > 0.0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return number
 
 
 def _fraction(value: str) -> float:
@@ -211,6 +218,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         adapter_memory_fraction=args.adapter_memory_fraction,
         max_grammar_bytes=args.max_grammar_bytes,
         grammar_compile_timeout_s=args.grammar_compile_timeout_s,
+        max_waiting_tokens=args.max_waiting_tokens,
+        waiting_served_ratio=args.waiting_served_ratio,
     )
 
 
@@ -277,8 +286,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_cpu_adapters=args.max_cpu_adapters,
         adapter_access_ttl_s=args.adapter_access_ttl_s,
         media=_media_config(args),
-        max_waiting_tokens=args.max_waiting_tokens,
-        waiting_served_ratio=args.waiting_served_ratio,
         validation_workers=args.validation_workers,
         request_timeout_s=args.request_timeout_s,
         max_request_bytes=args.max_request_bytes,
@@ -351,11 +358,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--adapter-access-ttl-s", type=float, default=_env("ADAPTER_ACCESS_TTL_S", 30.0, float),
                        help="how long the hub's answer on whether a request's api_token may read a hub adapter "
                             "is reused for requests with the same token (0: every request asks the hub)")
-    # LoRAX's batching knobs: accepted and reported by /info; loraplex admits waiting requests at every step.
-    serve.add_argument("--max-waiting-tokens", type=int, default=_env("MAX_WAITING_TOKENS", 20, int),
-                       help="LoRAX's; reported by /info, no effect (waiting requests join at every step)")
-    serve.add_argument("--waiting-served-ratio", type=float, default=_env("WAITING_SERVED_RATIO", 1.2, float),
-                       help="LoRAX's; reported by /info, no effect (waiting requests join at every step)")
     serve.add_argument("--validation-workers", type=int, default=_env("VALIDATION_WORKERS", 2, int),
                        help="LoRAX's; reported by /info, no effect (requests are validated on the event loop)")
     _add_media_args(serve)

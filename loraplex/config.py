@@ -671,6 +671,12 @@ class EngineConfig:
     # tokens, so the host's work runs while the GPU computes. None: where decode steps run as CUDA graphs and
     # speculative decoding is off. True on a CPU runs the same bookkeeping with eager steps (no gain; for tests).
     overlap_steps: bool | None = None
+    # Where decode steps replay CUDA graphs, waiting requests join running ones only after this many steps
+    # without a join, or once the queue is `waiting_served_ratio` times the running requests, or when a step
+    # runs eagerly anyway (engine/joins.py; LoRAX's --max-waiting-tokens and --waiting-served-ratio). Elsewhere
+    # they join at every step. 0: at every step.
+    max_waiting_tokens: int = 20
+    waiting_served_ratio: float = 1.2
     # CUDA memory: the fraction of the device this process may use (LoRAX's --cuda-memory-fraction), and the
     # fraction at most kept out of the KV cache for adapter weights (LoRAX's --adapter-memory-fraction).
     cuda_memory_fraction: float = 1.0
@@ -694,10 +700,6 @@ class ServerConfig:
     # Request bodies larger than this are refused (413) before they are parsed (TGI's --payload-limit). Images
     # sent as data URLs count: raise it for many large ones.
     max_request_bytes: int = 32 * 1024 * 1024
-    # LoRAX's batching knobs, reported by /info. loraplex admits waiting requests at every step (continuous
-    # batching without a waiting budget), so they do not change scheduling.
-    max_waiting_tokens: int = 20
-    waiting_served_ratio: float = 1.2
     validation_workers: int = 2
     json_output: bool = False
     cors_allow_origin: tuple[str, ...] = ()

@@ -26,6 +26,7 @@ from loraplex.engine.overlap import PENDING, InFlight, drop_placeholders, in_fli
 from loraplex.engine.prefix_cache import root_key
 from loraplex.engine.request import FinishReason, Request, RequestRefused, RequestStatus
 from loraplex.engine.decode_graphs import BATCH_SIZES as GRAPH_BATCH_SIZES
+from loraplex.engine.joins import WaitingJoins
 from loraplex.engine.runner import ForcedTokens, GraphSettings, ModelRunner, StepResult
 from loraplex.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from loraplex.engine.speculative import SpecDecodeCounters, drafts_for
@@ -112,6 +113,8 @@ class Engine:
             graphs=GraphSettings(min(config.max_num_seqs, GRAPH_BATCH_SIZES[-1]), self.max_total_tokens)
             if config.cuda_graphs else None,
         )
+        if self.runner.decode_graphs is not None:  # a step that admits runs eagerly: joins wait a little (joins.py)
+            self.scheduler.joins = WaitingJoins(config.max_waiting_tokens, config.waiting_served_ratio)
         self._streams: dict[str, _Stream] = {}
         self._next_id = 0
         self._grammars: Grammars | None = None  # structured output, made at the first request that asks

@@ -8,6 +8,8 @@ Policy:
   running-request cap and the free KV blocks (less a small watermark) allow. A prompt longer than the
   budget is prefilled in chunks over several steps.
 - No admission in a step that had to preempt: the cache is full, admitting would only thrash.
+- Where decode steps replay CUDA graphs, waiting requests join running ones only now and then (`joins`,
+  engine/joins.py: LoRAX's max-waiting-tokens and waiting-served-ratio), since a step that admits runs eagerly.
 - Speculative decoding: once every running request has its token and waiting ones are admitted, a decoding
   request with drafts (engine/speculative.py) is scheduled for them too, as far as its blocks and the free
   blocks above the watermark allow. Drafts are cut first: never a reason to preempt or to turn a request away.
@@ -33,6 +35,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from loraplex.engine.joins import WaitingJoins
 from loraplex.engine.kv_cache import BlockAllocator, blocks_for
 from loraplex.engine.prefix_cache import block_hashes
 from loraplex.engine.request import FinishReason, Request, RequestStatus
@@ -88,6 +91,8 @@ class Scheduler:
         self.state_allocator = (
             BlockAllocator(config.num_state_blocks, config.block_size) if config.num_state_blocks else self.allocator
         )
+        # When waiting requests join while others run (joins.py); by default at every step.
+        self.joins = WaitingJoins()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self._by_id: dict[str, Request] = {}
@@ -167,8 +172,11 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, n))
             index += 1
 
-        if not out.preempted:
+        running = len(out.scheduled)
+        eager_anyway = any(item.num_new_tokens > 1 for item in out.scheduled)
+        if not out.preempted and self.waiting and self.joins.due(len(self.waiting), running, eager_anyway):
             self._admit(out, budget)
+        self.joins.stepped(joined=len(out.scheduled) > running)
         self._add_drafts(out)
         out.fresh_blocks = self.allocator.take_fresh()
         if self.state_allocator is not self.allocator:

@@ -321,8 +321,8 @@ async def info(request: Request):
         # LoRAX's fields that its clients read: what we know, else its defaults or null (not a build from git).
         "model_sha": core.config.revision,
         "model_pipeline_tag": "text-generation",
-        "max_waiting_tokens": state.config.max_waiting_tokens,
-        "waiting_served_ratio": state.config.waiting_served_ratio,
+        "max_waiting_tokens": core.config.max_waiting_tokens,
+        "waiting_served_ratio": core.config.waiting_served_ratio,
         "validation_workers": state.config.validation_workers,
         "sha": None,
         "docker_label": os.environ.get("DOCKER_LABEL"),

@@ -181,3 +181,31 @@ def test_a_row_turning_non_finite_in_a_launched_step_fails_alone():
     assert "non-finite" in (finals[requests[3].request_id].error or "")
     assert [finals[r.request_id].token_ids for i, r in enumerate(requests) if i != 3] == expected[:3] + expected[4:]
     assert engine.scheduler.allocator.num_used == 0
+
+
+def test_waiting_requests_join_together_where_decode_steps_are_graphs():
+    """Requests arriving one by one while others decode: with graphs, they join a few at a time (engine/joins.py),
+    so fewer steps run eagerly; the tokens are the same as when each joins at once."""
+    ours, config = llama(torch.float32)
+    kw = dict(device=DEVICE, dtype=torch.float32, max_active_adapters=8)
+    assert engine_for(ours, config, **kw).scheduler.joins.max_waiting_steps == 20  # LoRAX's default
+    assert engine_for(ours, config, cuda_graphs=False, **kw).scheduler.joins.max_waiting_steps == 0
+    batch = prompts(16, config.vocab_size, seed=5)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    results = []
+    for waiting in (6, 0):
+        engine = engine_for(ours, config, max_waiting_tokens=waiting, **kw)
+        ids = [engine.add_request(p, params).request_id for p in batch[:4]]
+        tokens, eager_steps, steps = {}, 0, 0
+        while engine.has_unfinished or len(ids) < len(batch):
+            if steps % 2 == 0 and len(ids) < len(batch):  # one arrival every other step
+                ids.append(engine.add_request(batch[len(ids)], params).request_id)
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.token_ids
+            eager_steps += not engine.step_in_flight
+            steps += 1
+        results.append(([tokens[i] for i in ids], eager_steps))
+    (grouped, grouped_eager), (at_once, at_once_eager) = results
+    assert grouped == at_once and all(len(t) == 24 for t in grouped)
+    assert grouped_eager < at_once_eager, (grouped_eager, at_once_eager)
