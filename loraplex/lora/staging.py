@@ -19,27 +19,36 @@ import torch
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.upload import AdapterUploader
 
-# Adapters staged at once: each holds a pinned copy of its weights (~10 MB for a rank-16 adapter on all of a
-# 135M model's projections, ~80 MB on an 8B's) until its install or until no waiting request wants it.
-STAGED_ADAPTERS = 4
+# Staged buffers hold pinned copies of the weights until their installs (or until no waiting request wants them):
+# at most this many bytes of them, but always the next adapter's. Rank-16 adapters on all seven projections are
+# ~10 MB at a 135M model's shape (25 staged) and ~84 MB at an 8B's (3). Where requests join a few at a time
+# (engine/joins.py) one step installs many adapters, and the decode steps before it leave the worker time to
+# stage them all.
+STAGING_BYTES = 256 * 2**20
+# Distinct adapters the engine looks for in the waiting queue each step (the bytes decide how many are staged).
+STAGED_ADAPTERS = 32
 
 
 class StagedUploads:
-    def __init__(self, uploader: AdapterUploader, limit: int = STAGED_ADAPTERS) -> None:
-        self.uploader, self.limit = uploader, limit
+    def __init__(self, uploader: AdapterUploader, budget_bytes: int = STAGING_BYTES) -> None:
+        self.uploader, self.budget_bytes = uploader, budget_bytes
         self._staged: dict[str, tuple[LoraAdapter, Future]] = {}
         # Started at the first adapter staged; its thread ends when this object is collected.
         self._worker: ThreadPoolExecutor | None = None
 
     def want(self, adapters: Sequence[LoraAdapter]) -> None:
-        """Stage the first `limit` distinct adapters of `adapters` (in the order they will be installed); drop what
-        was staged for any other."""
+        """Stage the first distinct adapters of `adapters` (in the order they will be installed) that fit the
+        budget, the first one always; drop what was staged for any other."""
         wanted: dict[str, LoraAdapter] = {}
+        left = self.budget_bytes
         for adapter in adapters:
-            if len(wanted) == self.limit:
+            if adapter.key in wanted or not _stageable(adapter):
+                continue
+            size = adapter.layout.length * self.uploader.dtype.itemsize
+            if wanted and size > left:
                 break
-            if _stageable(adapter):
-                wanted.setdefault(adapter.key, adapter)
+            wanted[adapter.key] = adapter
+            left -= size
         for key, (adapter, future) in list(self._staged.items()):
             if wanted.get(key) is not adapter:
                 future.cancel()  # a copy already running finishes, and its buffer is dropped

@@ -35,8 +35,8 @@ class CountingUploader(AdapterUploader):
 
 def test_the_first_distinct_adapters_are_staged_and_an_install_takes_their_buffer():
     uploader = CountingUploader(torch.device("cpu"), torch.bfloat16)
-    staging = StagedUploads(uploader, limit=2)
     a, b, c = adapter("a", 1), adapter("b", 2), adapter("c", 3)
+    staging = StagedUploads(uploader, budget_bytes=2 * a.layout.length * 2)  # two adapters' bfloat16 copies
     staging.want([a, a, b, c])
     assert staging.staged_keys == ["a", "b"]
     buffer = staging.take(a)
@@ -48,6 +48,13 @@ def test_the_first_distinct_adapters_are_staged_and_an_install_takes_their_buffe
     assert staging.staged_keys == ["c"] and staging.take(b) is None
     reloaded = adapter("c", 4)  # the same key, other weights: the buffer staged for the old object is not used
     assert staging.take(reloaded) is None
+
+
+def test_the_next_adapter_is_staged_even_beyond_the_budget():
+    staging = StagedUploads(CountingUploader(torch.device("cpu"), torch.float32), budget_bytes=1)
+    a, b = adapter("a", 1), adapter("b", 2)
+    staging.want([a, b])
+    assert staging.staged_keys == ["a"]
 
 
 def test_a_failed_staging_raises_at_the_install_that_takes_it():
