@@ -146,7 +146,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_batch_prefill_tokens
-        index = 0
+        index, prefilling = 0, False
         while index < len(self.running):
             request = self.running[index]
             n = request.num_uncomputed_tokens
@@ -160,21 +160,22 @@ class Scheduler:
                     continue
             needed = self._blocks_needed(request, n)
             assert request.cross_block_ids or not request.num_states, "a running request holds its states"
-            while not self.allocator.can_allocate(needed) and self.running[-1] is not request:
-                out.preempted.append(self._preempt(self.running[-1]))
-            if not self.allocator.can_allocate(needed):
-                out.preempted.append(self._preempt(request))  # it is the last one left to give
-                break
+            if needed:  # most decode steps fit in the request's last block
+                while not self.allocator.can_allocate(needed) and self.running[-1] is not request:
+                    out.preempted.append(self._preempt(self.running[-1]))
+                if not self.allocator.can_allocate(needed):
+                    out.preempted.append(self._preempt(request))  # it is the last one left to give
+                    break
+                self._allocate(request, needed)
             if n > 1:
                 budget -= n
-            self._allocate(request, needed)
+                prefilling = True
             self._cache_blocks(request, n)
             out.scheduled.append(ScheduledRequest(request, n))
             index += 1
 
         running = len(out.scheduled)
-        eager_anyway = any(item.num_new_tokens > 1 for item in out.scheduled)
-        if not out.preempted and self.waiting and self.joins.due(len(self.waiting), running, eager_anyway):
+        if not out.preempted and self.waiting and self.joins.due(len(self.waiting), running, prefilling):
             self._admit(out, budget)
         self.joins.stepped(joined=len(out.scheduled) > running)
         self._add_drafts(out)
