@@ -33,7 +33,6 @@ from loraplex.engine.speculative import SpecDecodeCounters, drafts_for
 from loraplex.engine.verification import SampledToken
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.layers import LoraSlots
-from loraplex.lora.staging import STAGED_ADAPTERS
 from loraplex.params import GrammarSpec, SamplingParams, TokenInfo
 from loraplex.structured import GrammarError, GrammarLimits, Grammars, GrammarTooCostly, advance
 from loraplex.tokenizer import IncrementalDetokenizer, find_stop
@@ -462,15 +461,18 @@ class Engine:
 
     def _stage_next_installs(self) -> None:
         """Have the adapters that the waiting queue wants next, and no slot holds, laid out ahead of their
-        installs (lora/staging.py); in queue order, as the scheduler admits."""
-        slots, wanted = self.scheduler.slots, {}
-        for request in itertools.islice(self.scheduler.waiting, STAGE_LOOKAHEAD):
-            key = request.adapter_id
-            if key is not None and key not in wanted and slots.slot_of(key) is None:
-                wanted[key] = self._adapters[key][0]
-                if len(wanted) == STAGED_ADAPTERS:
-                    break
-        self.lora.stage_ahead(list(wanted.values()))
+        installs (lora/staging.py); in queue order, as the scheduler admits. The queue is read only as far as the
+        staging budget reaches."""
+        slots, seen = self.scheduler.slots, set()
+
+        def wanted():
+            for request in itertools.islice(self.scheduler.waiting, STAGE_LOOKAHEAD):
+                key = request.adapter_id
+                if key is not None and key not in seen and slots.slot_of(key) is None:
+                    seen.add(key)
+                    yield self._adapters[key][0]
+
+        self.lora.stage_ahead(wanted())
 
     def _settle(self, scheduled: list[ScheduledRequest], results: list[StepResult]) -> list[RequestOutput]:
         """Fail the requests whose result is an error and requeue those to be requeued (in step order: a writer

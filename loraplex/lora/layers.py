@@ -15,7 +15,7 @@ tables hold) and added to the base output, cast to that dtype if the base return
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -196,8 +196,9 @@ class LoraSlots:
         """A context for a step's installs: the slot tables reach the device once, at its end."""
         return self.pointers.deferred()
 
-    def stage_ahead(self, adapters: list[LoraAdapter]) -> None:
-        """Lay out, on a worker thread, the adapters to be installed next (in that order; lora/staging.py)."""
+    def stage_ahead(self, adapters: Iterable[LoraAdapter]) -> None:
+        """Lay out, on a worker thread, the adapters to be installed next (in that order, read only as far as the
+        staging budget reaches; lora/staging.py)."""
         self._staged.want(adapters)
 
     @property

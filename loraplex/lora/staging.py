@@ -12,7 +12,7 @@ reloaded under the same key is staged anew.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Iterable
 
 import torch
 
@@ -25,8 +25,6 @@ from loraplex.lora.upload import AdapterUploader
 # (engine/joins.py) one step installs many adapters, and the decode steps before it leave the worker time to
 # stage them all.
 STAGING_BYTES = 256 * 2**20
-# Distinct adapters the engine looks for in the waiting queue each step (the bytes decide how many are staged).
-STAGED_ADAPTERS = 32
 
 
 class StagedUploads:
@@ -36,9 +34,10 @@ class StagedUploads:
         # Started at the first adapter staged; its thread ends when this object is collected.
         self._worker: ThreadPoolExecutor | None = None
 
-    def want(self, adapters: Sequence[LoraAdapter]) -> None:
+    def want(self, adapters: Iterable[LoraAdapter]) -> None:
         """Stage the first distinct adapters of `adapters` (in the order they will be installed) that fit the
-        budget, the first one always; drop what was staged for any other."""
+        budget, the first one always; drop what was staged for any other. `adapters` is read no further than the
+        budget reaches (the engine passes a walk over its waiting queue)."""
         wanted: dict[str, LoraAdapter] = {}
         left = self.budget_bytes
         for adapter in adapters:

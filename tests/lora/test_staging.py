@@ -57,6 +57,20 @@ def test_the_next_adapter_is_staged_even_beyond_the_budget():
     assert staging.staged_keys == ["a"]
 
 
+def test_the_wanted_adapters_are_read_only_as_far_as_the_budget_reaches():
+    a, b, c = adapter("a", 1), adapter("b", 2), adapter("c", 3)
+    staging = StagedUploads(CountingUploader(torch.device("cpu"), torch.float32), budget_bytes=a.layout.length * 4)
+    read = []
+
+    def walk():  # as the engine walks its waiting queue
+        for x in (a, b, c):
+            read.append(x.key)
+            yield x
+
+    staging.want(walk())
+    assert staging.staged_keys == ["a"] and read == ["a", "b"]  # b did not fit: c was never looked at
+
+
 def test_a_failed_staging_raises_at_the_install_that_takes_it():
     staging = StagedUploads(CountingUploader(torch.device("cpu"), torch.float32, fail="disk gone"))
     a = adapter("a", 1)
