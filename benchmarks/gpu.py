@@ -23,11 +23,12 @@ tokens/s (all tokens over the whole run) and its ratios; for loraplex also time 
 all prompts in one step) and decode tokens/s (tokens after each request's first, over the time after that),
 against the roofline of benchmarks/roofline.py at the decode's average context. Prefix caching is off in the
 engines (a repeat would otherwise reuse its own prompts' blocks). The online engine captures every decode graph
-before timing (`online.warm_decode_graphs`); with `--repeats` its three systems take turns too, each keeping its
-shortest run, and each round's ratios of the adapter system to the others are given with their median (runs
-close in time: steadier than the best runs' ratio on a host whose speed drifts); `--profile DIR` writes each of its timed runs' cProfile stats there, `--profile-gpu DIR` a table of
-its kernels' device times (torch's profiler), and `--trace DIR` adds an untimed run per system with a window of
-its steps traced (benchmarks/step_trace.py: each step kind's host time, CUDA calls and kernels).
+before timing (`online.warm_decode_graphs`) and runs the timed workload once per system untimed; with `--repeats`
+its three systems take turns, each keeping its shortest run, and each round's ratios of the adapter system to the
+others are given with their median (runs close in time: steadier than the best runs' ratio on a host whose speed
+drifts); `--profile DIR` writes each of its timed runs' cProfile stats there, and `--trace DIR` adds an untimed
+run per system with a window of its steps traced (benchmarks/step_trace.py: each step kind's host time, CUDA calls
+and kernels).
 
 On the H200 (bf16; the device's copy bandwidth is measured first):
 
@@ -359,13 +360,18 @@ def bench_online(args, loaded: LoadedModel) -> list[list[OnlineResult]]:
     systems = ((f"loraplex, {args.num_adapters} adapters / {slots} slots", adapters),
                ("loraplex, one adapter", [adapters[0]] * args.num_adapters),
                ("loraplex, base model", None))
+    # And one untimed run per system on the timed workload itself: its longer prompts take paths the short warm-up
+    # does not (chunked prompts' resumed attention, whose kernel is probed at first use; Triton specialisations of
+    # other row counts), and the first system timed would pay them alone (0.70x in the first round, 0.87-0.94x in
+    # the others, on the H200 at 6efa50c).
+    for label, used in systems:
+        run_online(engine, workload, used, f"{label} (warm-up)")
     rounds: list[list[OnlineResult]] = []
     for repeat in range(args.repeats):
         runs: list[OnlineResult | None] = [None] * len(systems)
         for k in [(repeat + i) % len(systems) for i in range(len(systems))]:
             label, used = systems[k]
-            with _profiled(args.profile, f"online-{k}-{repeat}.pstats"), \
-                    _gpu_profiled(args.profile_gpu, f"online-{k}-{repeat}.txt"):
+            with _profiled(args.profile, f"online-{k}-{repeat}.pstats"):
                 runs[k] = run_online(engine, workload, used, label)
             print(f"  online: {label}: {runs[k].makespan_s:.1f}s", file=sys.stderr, flush=True)
         rounds.append(runs)
@@ -396,24 +402,6 @@ def _profiled(folder: str | None, name: str):
         profiler.disable()
         os.makedirs(folder, exist_ok=True)
         profiler.dump_stats(os.path.join(folder, name))
-
-
-@contextlib.contextmanager
-def _gpu_profiled(folder: str | None, name: str):
-    """The block under torch's profiler: its kernels' and ops' device and host times, as a table in folder/name
-    (nothing without a folder). Where an eager step's time goes on the device, which cProfile cannot see."""
-    if folder is None:
-        yield
-        return
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        yield
-    os.makedirs(folder, exist_ok=True)
-    order = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    with open(os.path.join(folder, name), "w") as f:
-        f.write(prof.key_averages().table(sort_by=order, row_limit=60, max_name_column_width=70))
 
 
 # ---- main -------------------------------------------------------------------------------------------
@@ -448,8 +436,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--profile", metavar="DIR", help="online: each timed run under cProfile, its stats written to "
                    "DIR/online-<system>-<repeat>.pstats (systems 0, 1, 2: adapters, one adapter, base)")
-    p.add_argument("--profile-gpu", metavar="DIR", help="online: each timed run under torch's profiler, a table of "
-                   "its kernels' device times written to DIR/online-<system>-<repeat>.txt")
     p.add_argument("--trace", metavar="DIR", help="online: after the timed runs, one more run per system with steps "
                    "--trace-steps traced (benchmarks/step_trace.py): DIR/online-<system>.json.gz and a summary")
     p.add_argument("--trace-steps", type=_pair, default=[40, 120], metavar="FIRST,COUNT",

@@ -66,14 +66,12 @@ def test_smoke_run_prints_every_table_and_writes_json(smoke_run, capsys):
 
 
 def test_online_repeats_take_turns_and_keep_each_systems_shortest_run(smoke_run, capsys):
-    profiles, tables = smoke_run.parent / "profiles", smoke_run.parent / "tables"
+    profiles = smoke_run.parent / "profiles"
     assert gpu.main(["--smoke", "--workloads", "online", "--repeats", "2", "--json", str(smoke_run),
-                     "--profile", str(profiles), "--profile-gpu", str(tables)]) == 0
+                     "--profile", str(profiles)]) == 0
     names = sorted(p.name for p in profiles.iterdir())
     assert names == [f"online-{k}-{r}.pstats" for k in range(3) for r in range(2)]
     assert "run_online" in str(pstats.Stats(str(profiles / names[0])).stats)  # each holds its run's calls
-    assert sorted(p.name for p in tables.iterdir()) == [name.replace(".pstats", ".txt") for name in names]
-    assert "aten::" in (tables / "online-0-0.txt").read_text()  # torch's ops, with their times
     captured = capsys.readouterr()
     assert "best of 2 runs per system, taking turns" in captured.out
     runs = [line.split(": ")[1] for line in captured.err.splitlines() if line.startswith("  online: loraplex")]
