@@ -462,14 +462,13 @@ class Engine:
     def _stage_next_installs(self) -> None:
         """Have the adapters that the waiting queue wants next, and no slot holds, laid out ahead of their
         installs (lora/staging.py); in queue order, as the scheduler admits. The queue is read only as far as the
-        staging budget reaches."""
-        slots, seen = self.scheduler.slots, set()
+        staging budget reaches (repeats are yielded; `stage_ahead` skips them)."""
+        slots = self.scheduler.slots
 
         def wanted():
             for request in itertools.islice(self.scheduler.waiting, STAGE_LOOKAHEAD):
                 key = request.adapter_id
-                if key is not None and key not in seen and slots.slot_of(key) is None:
-                    seen.add(key)
+                if key is not None and slots.slot_of(key) is None:
                     yield self._adapters[key][0]
 
         self.lora.stage_ahead(wanted())
