@@ -348,6 +348,9 @@ def bench_online(args, loaded: LoadedModel) -> list[list[OnlineResult]]:
     warm = online_workload(c.vocab_size, 1000.0, args.num_adapters, 0.0, None, args.num_adapters,
                            (args.prompt_lens[0], min(32, args.prompt_lens[1])), (2, 4), special, args.seed + 1)
     warm = dataclasses.replace(warm, adapter_ranks=list(range(args.num_adapters)))
+    report = engine.warm_up()  # as `loraplex serve` does on CUDA; its graphs are over an adapter on every module
+    print(f"  online: engine warm-up: {report.requests} requests, {report.graphs_captured} graphs captured, "
+          f"{report.seconds:.1f}s", file=sys.stderr, flush=True)
     run_online(engine, warm, adapters, "warm-up")
     captured = warm_decode_graphs(engine, adapters, c.vocab_size, special)
     print(f"  online: warm-up captured {captured} decode graphs", file=sys.stderr, flush=True)

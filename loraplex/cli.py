@@ -97,6 +97,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=_env("CUDA_GRAPHS", True, _truthy),
                    help="on CUDA, replay decode steps as CUDA graphs (on by default; --no-cuda-graphs runs every "
                         "step eagerly; no effect on CPU)")
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=_env("WARM_UP", None, _truthy),
+                   help="before serving, run made-up requests that compile the kernels and capture the decode graphs, "
+                        "so the first requests do not wait for them (default: on CUDA only)")
     p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=_env("OVERLAP_STEPS", None, _truthy),
                    help="launch each decode step before the host has read the last one's tokens (default: on with "
                         "CUDA graphs; outputs unchanged)")
@@ -188,11 +191,20 @@ def _load_engine(args: argparse.Namespace, show_progress: bool = False, log=None
         if not torch.cuda.is_available():
             raise UsageError(f"--device {device}: no CUDA device is available on this machine (try --device cpu)")
     try:
-        return Engine.from_config(_engine_config(args), show_progress=show_progress, log=log)
+        engine = Engine.from_config(_engine_config(args), show_progress=show_progress, log=log)
     except (WeightsError, QuantizationError) as exc:
         raise UsageError(str(exc)) from exc
     except ValueError as exc:  # the model's config names something we do not serve (ModelConfig.from_hf)
         raise UsageError(f"cannot serve {args.model_id or 'the default model'}: {exc}") from exc
+    if engine.warms_up:
+        report = engine.warm_up()
+        (log or _to_stderr)(f"warmed up: {report.requests} made-up requests, {report.graphs_captured} decode graphs "
+                            f"captured, in {report.seconds:.1f}s")
+    return engine
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -220,6 +232,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         grammar_compile_timeout_s=args.grammar_compile_timeout_s,
         max_waiting_tokens=args.max_waiting_tokens,
         waiting_served_ratio=args.waiting_served_ratio,
+        warm_up=args.warm_up,
     )
 
 

@@ -677,6 +677,9 @@ class EngineConfig:
     # they join at every step. 0: at every step.
     max_waiting_tokens: int = 20
     waiting_served_ratio: float = 1.2
+    # Before the first request, made-up requests compile the kernels and capture the decode graphs
+    # (engine/warm_up.py). None: on CUDA only (a CPU has nothing to compile or capture).
+    warm_up: bool | None = None
     # CUDA memory: the fraction of the device this process may use (LoRAX's --cuda-memory-fraction), and the
     # fraction at most kept out of the KV cache for adapter weights (LoRAX's --adapter-memory-fraction).
     cuda_memory_fraction: float = 1.0

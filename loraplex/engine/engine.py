@@ -31,6 +31,7 @@ from loraplex.engine.runner import ForcedTokens, GraphSettings, ModelRunner, Ste
 from loraplex.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from loraplex.engine.speculative import SpecDecodeCounters, drafts_for
 from loraplex.engine.verification import SampledToken
+from loraplex.engine.warm_up import WarmUpReport, warm_up
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.layers import LoraSlots
 from loraplex.params import GrammarSpec, SamplingParams, TokenInfo
@@ -129,6 +130,15 @@ class Engine:
         """Load the model `config` names; `log` (a str -> None callable; default: stderr) hears the progress."""
         extra = {} if log is None else {"log": log}
         return cls(load_model(config, show_progress=show_progress, **extra), config)
+
+    @property
+    def warms_up(self) -> bool:
+        """Whether `warm_up` is wanted before serving (the config's choice; by default on CUDA)."""
+        return self.config.warm_up if self.config.warm_up is not None else self.device.type == "cuda"
+
+    def warm_up(self) -> WarmUpReport:
+        """Run made-up requests through the idle engine before the first real one (engine/warm_up.py)."""
+        return warm_up(self)
 
     # ---- capacity ---------------------------------------------------------------------------------
 

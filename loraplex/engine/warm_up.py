@@ -1,0 +1,100 @@
+"""Start-up warm-up: made-up requests run through the engine's own steps before the first real one, so that the
+work a process does once lands before serving rather than in its first users' requests: Triton compiles the
+kernels (or loads them from its disk cache) for the shapes the steps take, the attention paths probe what the
+device supports (layers/kernels/varlen_prefill.py), and the decode graphs are captured at every batch size, over
+an adapter and without (engine/decode_graphs.py). TGI and LoRAX warm up likewise.
+
+The requests: two long prompts, over the made-up adapter and without, together longer than a step's prompt budget
+(so one is chunked and resumed over its cached context), then at every graph batch size that many short prompts
+decoding a few tokens, over the adapter and without. The adapter has zero weights on every module an adapter may
+target, at rank 16 (or the engine's largest, if lower); it is installed like any other and taken out of its slot
+afterwards. What it cannot cover is compiled at first use as before: kernels specialised on other ranks, and the
+graphs of adapters that target fewer modules (each distinct set of targeted layers captures graphs of its own).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.lora.adapter import LoraAdapter, LoraConfig
+from loraplex.lora.weights import LoraWeights
+from loraplex.params import SamplingParams
+
+WARM_UP_KEY = "\x00warm-up"  # no adapter id a user can name holds a NUL
+WARM_UP_RANK = 16
+SHORT_PROMPT, SHORT_NEW_TOKENS, LONG_NEW_TOKENS = 4, 3, 2
+
+
+@dataclass(frozen=True)
+class WarmUpReport:
+    requests: int
+    graphs_captured: int
+    seconds: float
+
+
+def warm_up(engine) -> WarmUpReport:
+    """Run the warm-up requests on `engine` (idle: no request in it); the engine is left as it was found, its
+    KV blocks free and no adapter in a slot, with its graphs captured and its kernels compiled."""
+    assert not engine.has_unfinished, "warm-up runs before the first request"
+    started = time.perf_counter()
+    graphs = engine.runner.decode_graphs
+    captured_before = graphs.num_captured if graphs is not None else 0
+    adapter = _zero_adapter(engine) if engine.lora.num_slots else None
+    tokens = _ordinary_tokens(engine)
+    rng = random.Random(0)
+    count = 0
+
+    def run(lengths: list[int], new_tokens: int, adapters: list[LoraAdapter | None]) -> None:
+        nonlocal count
+        for length, used in zip(lengths, adapters):
+            prompt = [rng.choice(tokens) for _ in range(length)]
+            engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), adapter=used)
+            count += 1
+        while engine.has_unfinished:
+            engine.step()
+
+    long = _long_prompt_length(engine)
+    if long > 0:
+        run([long, long], LONG_NEW_TOKENS, [adapter, None])
+    for rows in graphs.sizes if graphs is not None else (1,):
+        for used in ([adapter, None] if adapter is not None else [None]):
+            run([SHORT_PROMPT] * rows, SHORT_NEW_TOKENS, [used] * rows)
+    if adapter is not None:
+        _evict(engine, adapter.key)
+    captured = (graphs.num_captured if graphs is not None else 0) - captured_before
+    return WarmUpReport(count, captured, time.perf_counter() - started)
+
+
+def _zero_adapter(engine) -> LoraAdapter:
+    rank = min(WARM_UP_RANK, engine.config.max_lora_rank)
+    modules = {name: LoraWeights(torch.zeros(rank, n_in), torch.zeros(n_out, rank), 1.0)
+               for name, (n_in, n_out) in engine.lora.base_shapes.items()}
+    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=tuple(sorted(modules)))
+    return LoraAdapter(WARM_UP_KEY, modules, config).packed()
+
+
+def _ordinary_tokens(engine) -> list[int]:
+    """Token ids that are not special (no image placeholder, no start or end of sequence)."""
+    c = engine.model_config
+    special = {c.bos_token_id, *c.eos_token_ids, engine._image_token}
+    return [t for t in range(min(c.vocab_size, 1000)) if t not in special]
+
+
+def _long_prompt_length(engine) -> int:
+    """Two prompts of this length overflow one step's prompt budget, and fit the cache and the length limits."""
+    c = engine.config
+    budget = engine.scheduler.config.max_batch_prefill_tokens
+    return max(0, min(c.max_input_length, engine.max_total_tokens - LONG_NEW_TOKENS, budget * 3 // 4,
+                      engine.kv_capacity_tokens // 2 - 2 * engine.scheduler.config.block_size))
+
+
+def _evict(engine, key: str) -> None:
+    slots = engine.scheduler.slots
+    slot = slots.slot_of(key)
+    if slot is not None:
+        slots.evict(key)
+        engine.lora.clear(slot)
