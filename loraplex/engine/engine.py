@@ -198,7 +198,7 @@ class Engine:
             raise RequestRefused("the prompt is empty")
         if images is not None:
             self._check_images(prompt_ids, images)
-        elif self._image_token is not None and self._image_token in prompt_ids:
+        elif self.image_token_id is not None and self.image_token_id in prompt_ids:
             raise RequestRefused("the prompt has image tokens but no images came with it")
         if len(prompt_ids) > self.config.max_input_length:
             raise RequestRefused(
@@ -299,7 +299,7 @@ class Engine:
         return self.runner.takes_images
 
     @property
-    def _image_token(self) -> int | None:
+    def image_token_id(self) -> int | None:
         """The token that stands for an image in a prompt (None: the model takes no images)."""
         config = self.model_config
         if config.mllama is not None:
