@@ -7,9 +7,11 @@ an adapter and without (engine/decode_graphs.py). TGI and LoRAX warm up likewise
 The requests: two long prompts, over the made-up adapter and without, together longer than a step's prompt budget
 (so one is chunked and resumed over its cached context), then at every graph batch size that many short prompts
 decoding a few tokens, over the adapter and without. The adapter has zero weights on every module an adapter may
-target, at rank 16 (or the engine's largest, if lower); it is installed like any other and taken out of its slot
-afterwards. What it cannot cover is compiled at first use as before: kernels specialised on other ranks, and the
-graphs of adapters that target fewer modules (each distinct set of targeted layers captures graphs of its own).
+target, at rank 16 (or the engine's largest, if lower: the LoRA kernels are compiled for the engine's largest rank
+whatever an adapter's); it is installed like any other and taken out of its slot afterwards. What it cannot cover
+is still done at first use: the graphs of adapters that target fewer modules (each distinct set of targeted
+layers captures graphs of its own), and Triton's specialisations on argument values a real step may take first
+(an integer divisible by 16 or not).
 """
 
 from __future__ import annotations
