@@ -22,8 +22,8 @@ LlamaForCausalLM built from the same config holding our model's weights (a copy 
 tokens/s (all tokens over the whole run) and its ratios; for loraplex also time to the last first token (prefill,
 all prompts in one step) and decode tokens/s (tokens after each request's first, over the time after that),
 against the roofline of benchmarks/roofline.py at the decode's average context. Prefix caching is off in the
-engines (a repeat would otherwise reuse its own prompts' blocks). The online engine captures every decode graph
-before timing (`online.warm_decode_graphs`) and runs the timed workload once per system untimed; with `--repeats`
+engines (a repeat would otherwise reuse its own prompts' blocks). The online engine warms up before timing (`Engine.warm_up`:
+every decode graph captured) and runs the timed workload once per system untimed; with `--repeats`
 its three systems take turns, each keeping its shortest run, and each round's ratios of the adapter system to the
 others are given with their median (runs close in time: steadier than the best runs' ratio on a host whose speed
 drifts); `--profile DIR` writes each of its timed runs' cProfile stats there, and `--trace DIR` adds an untimed
@@ -60,7 +60,7 @@ import torch
 from benchmarks import roofline
 from benchmarks.adapters import AdapterSpec, PEFTMixed, adapter_from_peft, make_peft_model, random_adapter
 from benchmarks.offline import Loraplex, Measurement, measure
-from benchmarks.online import OnlineResult, format_online, online_workload, run_online, warm_decode_graphs
+from benchmarks.online import OnlineResult, format_online, online_workload, run_online
 from benchmarks.peers import HFBatched
 from benchmarks.step_trace import StepTracer, describe_trace
 from benchmarks.workload import Workload, equal_workload, round_robin
@@ -348,12 +348,12 @@ def bench_online(args, loaded: LoadedModel) -> list[list[OnlineResult]]:
     warm = online_workload(c.vocab_size, 1000.0, args.num_adapters, 0.0, None, args.num_adapters,
                            (args.prompt_lens[0], min(32, args.prompt_lens[1])), (2, 4), special, args.seed + 1)
     warm = dataclasses.replace(warm, adapter_ranks=list(range(args.num_adapters)))
-    report = engine.warm_up()  # as `loraplex serve` does on CUDA; its graphs are over an adapter on every module
+    # The engine's own warm-up first, as `loraplex serve` does on CUDA: every decode graph captured (over an adapter
+    # on every module, as these are, and without), so that none is captured in a timed run.
+    report = engine.warm_up()
     print(f"  online: engine warm-up: {report.requests} requests, {report.graphs_captured} graphs captured, "
           f"{report.seconds:.1f}s", file=sys.stderr, flush=True)
     run_online(engine, warm, adapters, "warm-up")
-    captured = warm_decode_graphs(engine, adapters, c.vocab_size, special)
-    print(f"  online: warm-up captured {captured} decode graphs", file=sys.stderr, flush=True)
     if args.gc == "off":  # a diagnostic: an upper bound of what the collector costs the runs
         gc.disable()
     # The same arrivals three ways: over every adapter, all on one adapter (the issue's 1,000-adapters-vs-one

@@ -73,32 +73,6 @@ def online_workload(
     return OnlineWorkload(arrivals, prompts, outputs, ranks, rate, zipf_alpha, num_adapters, seed)
 
 
-def warm_decode_graphs(engine, adapters: list[LoraAdapter], vocab_size: int, special_ids=()) -> int:
-    """Decode a few steps at every CUDA-graph batch size, over adapters and on the base model, so that a timed run
-    finds its graphs captured, as in a server that has run a while (captured lazily, they would land in the first
-    system timed, and the later ones would reuse them). Returns how many graphs this captured; none without graphs."""
-    graphs = engine.runner.decode_graphs
-    if graphs is None:
-        return 0
-    before = graphs.num_captured
-    decode_at_sizes(engine, graphs.sizes, adapters, vocab_size, special_ids)
-    return graphs.num_captured - before
-
-
-def decode_at_sizes(engine, sizes, adapters: list[LoraAdapter], vocab_size: int, special_ids=()) -> None:
-    """For each size, requests of that many rows decode together: over the adapters that fit the slots, then on
-    the base model. Short prompts, all prefilled in one step, so every decode step runs exactly `size` rows."""
-    rng = random.Random(0)
-    resident = adapters[: engine.lora.num_slots] if adapters else []
-    for rows in sizes:
-        for used in (resident, None):
-            for i, prompt in enumerate(random_prompts([4] * rows, vocab_size, special_ids, rng)):
-                engine.add_request(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True),
-                                   adapter=used[i % len(used)] if used else None)
-            while engine.has_unfinished:
-                engine.step()
-
-
 @dataclass
 class RequestTimes:
     arrival: float

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -38,9 +39,10 @@ class WarmUpReport:
     seconds: float
 
 
-def warm_up(engine) -> WarmUpReport:
+def warm_up(engine, decode_sizes: Sequence[int] | None = None) -> WarmUpReport:
     """Run the warm-up requests on `engine` (idle: no request in it); the engine is left as it was found, its
-    KV blocks free and no adapter in a slot, with its graphs captured and its kernels compiled."""
+    KV blocks free and no adapter in a slot, with its graphs captured and its kernels compiled. `decode_sizes`:
+    the batch sizes to decode at (default: the graphs' sizes; without graphs, one row)."""
     assert not engine.has_unfinished, "warm-up runs before the first request"
     started = time.perf_counter()
     graphs = engine.runner.decode_graphs
@@ -62,7 +64,9 @@ def warm_up(engine) -> WarmUpReport:
     long = _long_prompt_length(engine)
     if long > 0:
         run([long, long], LONG_NEW_TOKENS, [adapter, None])
-    for rows in graphs.sizes if graphs is not None else (1,):
+    if decode_sizes is None:
+        decode_sizes = graphs.sizes if graphs is not None else (1,)
+    for rows in decode_sizes:
         for used in ([adapter, None] if adapter is not None else [None]):
             run([SHORT_PROMPT] * rows, SHORT_NEW_TOKENS, [used] * rows)
     if adapter is not None:

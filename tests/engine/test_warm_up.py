@@ -103,3 +103,29 @@ def test_loading_an_engine_warms_it_up_when_asked(monkeypatch):
     for flag in ("--warm-up", "--no-warm-up"):
         cli._load_engine(cli.build_parser().parse_args(["serve", flag]), log=said.append)
     assert calls == [True] and said == ["warmed up: 7 made-up requests, 3 decode graphs captured, in 0.5s"]
+
+
+def test_each_decode_size_runs_steps_of_exactly_that_many_rows_with_the_adapter_and_without(make_engine):
+    """On CUDA the sizes are the graphs' buckets, so that each is captured over the adapter and without; on the CPU
+    they are given, and the steps watched."""
+    from loraplex.engine.warm_up import warm_up
+
+    engine = small_engine(make_engine)
+    decode_steps = set()
+    schedule = engine.scheduler.schedule
+
+    def watched():
+        plan = schedule()
+        if plan.scheduled and all(item.num_new_tokens == 1 for item in plan.scheduled):
+            on_adapter = {item.request.adapter_id is not None for item in plan.scheduled}
+            assert len(on_adapter) == 1, "a warm-up step mixed adapter rows and base rows"
+            decode_steps.add((len(plan.scheduled), on_adapter.pop()))
+        return plan
+
+    engine.scheduler.schedule = watched
+    sizes = [1, 2, 4, 6]
+    report = warm_up(engine, decode_sizes=sizes)
+    assert report.requests == 2 + 2 * sum(sizes)
+    # (The long prompts decode a step apart, the second one chunked: their lone decode step is one of these.)
+    assert decode_steps == {(rows, on) for rows in sizes for on in (True, False)}
+    assert not engine.has_unfinished
