@@ -349,7 +349,8 @@ def bench_online(args, loaded: LoadedModel) -> list[list[OnlineResult]]:
                            (args.prompt_lens[0], min(32, args.prompt_lens[1])), (2, 4), special, args.seed + 1)
     warm = dataclasses.replace(warm, adapter_ranks=list(range(args.num_adapters)))
     # The engine's own warm-up first, as `loraplex serve` does on CUDA: every decode graph captured (over an adapter
-    # on every module, as these are, and without), so that none is captured in a timed run.
+    # on PEFT's all-linear modules, the seven projections these adapters target, and without), so that none is
+    # captured in a timed run.
     report = engine.warm_up()
     print(f"  online: engine warm-up: {report.requests} requests, {report.graphs_captured} graphs captured, "
           f"{report.seconds:.1f}s", file=sys.stderr, flush=True)

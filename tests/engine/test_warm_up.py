@@ -129,3 +129,16 @@ def test_each_decode_size_runs_steps_of_exactly_that_many_rows_with_the_adapter_
     # (The long prompts decode a step apart, the second one chunked: their lone decode step is one of these.)
     assert decode_steps == {(rows, on) for rows in sizes for on in (True, False)}
     assert not engine.has_unfinished
+
+
+def test_the_zero_adapter_targets_what_peft_all_linear_targets(make_engine):
+    """Decode graphs are keyed by the layers the installed adapters target: the warm-up's are those of the most
+    common broad adapter, every linear but the output head."""
+    from loraplex.engine.warm_up import _zero_adapter
+
+    engine = small_engine(make_engine)
+    adapter = _zero_adapter(engine)
+    assert set(adapter.modules) == {name for name in engine.lora.base_shapes if not name.endswith("lm_head")}
+    assert {name.rsplit(".", 1)[-1] for name in adapter.modules} == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert adapter.max_rank == 16 and all(not w.a.any() and not w.b.any() for w in adapter.modules.values())
