@@ -7,11 +7,12 @@ an adapter and without (engine/decode_graphs.py). TGI and LoRAX warm up likewise
 The requests: two long prompts, over the made-up adapter and without, together longer than a step's prompt budget
 (so one is chunked and resumed over its cached context), then at every graph batch size that many short prompts
 decoding a few tokens, over the adapter and without. The adapter has zero weights on every module of PEFT's
-"all-linear" (every one an adapter may target but the output head), at rank 16 (or the engine's largest, if lower: the LoRA kernels are compiled for the engine's largest rank
-whatever an adapter's); it is installed like any other and taken out of its slot afterwards. What it cannot cover
-is still done at first use: the graphs of other sets of targeted layers (a step's graph is keyed by the layers
-its installed adapters target together: adapters on q and v only, or on the head too, capture their own), and Triton's specialisations on argument values a real step may take first
-(an integer divisible by 16 or not).
+"all-linear" (every one an adapter may target but the output head), at rank 16 or the engine's largest if lower
+(the LoRA kernels are compiled for the engine's largest rank, whatever an adapter's); it is installed like any
+other and taken out of its slot afterwards. What it cannot cover is still done at first use: the graphs of other
+sets of targeted layers (a step's graph is keyed by the layers its installed adapters target together: adapters on
+q and v only, or on the head too, capture their own), and Triton's specialisations on argument values a real step
+may take first (an integer divisible by 16 or not).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def warm_up(engine, decode_sizes: Sequence[int] | None = None) -> WarmUpReport:
     started = time.perf_counter()
     graphs = engine.runner.decode_graphs
     captured_before = graphs.num_captured if graphs is not None else 0
-    adapter = _zero_adapter(engine) if engine.lora.num_slots else None
+    adapter = _zero_adapter(engine)
     tokens = _ordinary_tokens(engine)
     rng = random.Random(0)
     count = 0
@@ -76,12 +77,15 @@ def warm_up(engine, decode_sizes: Sequence[int] | None = None) -> WarmUpReport:
     return WarmUpReport(count, captured, time.perf_counter() - started)
 
 
-def _zero_adapter(engine) -> LoraAdapter:
+def _zero_adapter(engine) -> LoraAdapter | None:
     """Zero weights on every module PEFT's `target_modules="all-linear"` takes: all but the output head. A decode
-    graph is captured per set of targeted layers, so this is the set whose graphs the warm-up leaves ready."""
+    graph is captured per set of targeted layers, so this is the set whose graphs the warm-up leaves ready. None
+    when the engine has no adapter slot or the model no such module."""
     rank = min(WARM_UP_RANK, engine.config.max_lora_rank)
     modules = {name: LoraWeights(torch.zeros(rank, n_in), torch.zeros(n_out, rank), 1.0)
                for name, (n_in, n_out) in engine.lora.base_shapes.items() if row_kind(name) != "logits"}
+    if not engine.lora.num_slots or not modules:
+        return None
     config = LoraConfig(r=rank, lora_alpha=rank, target_modules=tuple(sorted(modules)))
     return LoraAdapter(WARM_UP_KEY, modules, config).packed()
 
