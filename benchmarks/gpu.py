@@ -22,9 +22,9 @@ LlamaForCausalLM built from the same config holding our model's weights (a copy 
 tokens/s (all tokens over the whole run) and its ratios; for loraplex also time to the last first token (prefill,
 all prompts in one step) and decode tokens/s (tokens after each request's first, over the time after that),
 against the roofline of benchmarks/roofline.py at the decode's average context. Prefix caching is off in the
-engines (a repeat would otherwise reuse its own prompts' blocks). The online engine warms up before timing (`Engine.warm_up`:
-every decode graph captured) and runs the timed workload once per system untimed; with `--repeats`
-its three systems take turns, each keeping its shortest run, and each round's ratios of the adapter system to the
+engines (a repeat would otherwise reuse its own prompts' blocks). The online engine warms up before timing
+(`Engine.warm_up`: every decode graph captured) and runs the timed workload once per system untimed; with
+`--repeats` its three systems take turns, each keeping its shortest run, and each round's ratios of the adapter system to the
 others are given with their median (runs close in time: steadier than the best runs' ratio on a host whose speed
 drifts); `--profile DIR` writes each of its timed runs' cProfile stats there, and `--trace DIR` adds an untimed
 run per system with a window of its steps traced (benchmarks/step_trace.py: each step kind's host time, CUDA calls

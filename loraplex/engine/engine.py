@@ -464,10 +464,15 @@ class Engine:
         outputs = self._settle(plan.scheduled, results)
         plan.scheduled = [item for item, result in zip(plan.scheduled, results) if not (result.error or result.requeue)]
         for adapter_id in broken:  # its requests are gone, so nothing pins it: free its slot
-            slot = self.scheduler.slots.slot_of(adapter_id)
-            self.scheduler.slots.evict(adapter_id)
-            assert self.lora.occupant[slot] is None, "a failed install left an adapter in its slot"
+            self.evict_adapter(adapter_id)
         return outputs
+
+    def evict_adapter(self, key: str) -> None:
+        """Take the adapter `key` out of its device slot now, if it has one; no request may be using it."""
+        slot = self.scheduler.slots.slot_of(key)
+        if slot is not None:
+            self.scheduler.slots.evict(key)
+            self.lora.clear(slot)
 
     def _stage_next_installs(self) -> None:
         """Have the adapters that the waiting queue wants next, and no slot holds, laid out ahead of their

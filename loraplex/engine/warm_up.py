@@ -72,7 +72,7 @@ def warm_up(engine, decode_sizes: Sequence[int] | None = None) -> WarmUpReport:
         for used in ([adapter, None] if adapter is not None else [None]):
             run([SHORT_PROMPT] * rows, SHORT_NEW_TOKENS, [used] * rows)
     if adapter is not None:
-        _evict(engine, adapter.key)
+        engine.evict_adapter(adapter.key)
     captured = (graphs.num_captured if graphs is not None else 0) - captured_before
     return WarmUpReport(count, captured, time.perf_counter() - started)
 
@@ -104,10 +104,3 @@ def _long_prompt_length(engine) -> int:
     return max(0, min(c.max_input_length, engine.max_total_tokens - LONG_NEW_TOKENS, budget * 3 // 4,
                       engine.kv_capacity_tokens // 2 - 2 * engine.scheduler.config.block_size))
 
-
-def _evict(engine, key: str) -> None:
-    slots = engine.scheduler.slots
-    slot = slots.slot_of(key)
-    if slot is not None:
-        slots.evict(key)
-        engine.lora.clear(slot)
