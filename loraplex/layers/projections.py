@@ -7,7 +7,8 @@ products were three launches each too small to reach the memory bandwidth (the 8
 8 MB). Unfused, `project` calls each linear: the CPU path, and the checkpoint names, stay as they were.
 
 The siblings may be wrapped (the LoRA layer): a wrapper that adds to its linear's output exposes
-`add_to(out, x)`, which `project` calls with the linear's slice of the fused output.
+`add_to(out, x)`, which `project` calls with the linear's slice of the fused output, or, for siblings wrapped
+alike, `begin_siblings` before the product and `add_siblings_to` after it.
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ def project(owner: nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> tuple[
     # Stale when the module's parameters were replaced since (`model.to(...)` copies each on its own).
     if fused is None or getattr(linears[0], "base", linears[0]).weight.data_ptr() != fused.weight.data_ptr():
         return tuple(linear(x) for linear in linears)
+    wrapped = all(type(linear) is type(linears[0]) for linear in linears) and hasattr(linears[0], "add_siblings_to")
+    # LoRA work that needs only x may start before the product (a CUDA graph's shrink, beside it).
+    early = linears[0].begin_siblings(linears, x, fused.sizes) if wrapped else None
     outputs = F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
-    if all(type(linear) is type(linears[0]) for linear in linears) and hasattr(linears[0], "add_siblings_to"):
-        return linears[0].add_siblings_to(linears, outputs, x)  # LoRA deltas, all siblings' at once where it can
+    if wrapped:
+        return linears[0].add_siblings_to(linears, outputs, x, early)  # LoRA deltas, all siblings' at once where it can
     return tuple(
         linear.add_to(out, x) if hasattr(linear, "add_to") else out for linear, out in zip(linears, outputs)
     )

@@ -20,8 +20,9 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from loraplex.layers.forward_context import LoraGroups, LoraSegment, current_lora_rows
+from loraplex.layers.forward_context import LoraGroups, LoraRowSlots, LoraSegment, current_lora_rows
 from loraplex.lora.adapter import BaseShapes, LoraAdapter, LoraWeights
+from loraplex.lora.beside import ShrinkBeside, in_graph, shrink_beside
 from loraplex.lora.kernels import SlotPointers, add_lora, add_lora_stacked
 from loraplex.lora.upload import AdapterUploader, Uploaded
 from loraplex.lora.staging import StagedUploads
@@ -74,7 +75,12 @@ class LoraLinear(nn.Module):
         return dequantized_weight(self.base)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.add_to(self.base(x), x)
+        early = self.begin_siblings([self], x, (self.out_features,))
+        out = self.base(x)
+        if early is not None:
+            early.expand([out])
+            return out
+        return self.add_to(out, x)
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The base output `out` for input `x` plus each row's adapter delta (in place where the dtypes allow).
@@ -90,15 +96,36 @@ class LoraLinear(nn.Module):
         return self._add(out, x, rows)
 
     @staticmethod
-    def add_siblings_to(layers: Sequence["LoraLinear"], outs: Sequence[torch.Tensor], x: torch.Tensor) -> tuple:
+    def begin_siblings(layers: Sequence["LoraLinear"], x: torch.Tensor, sizes: Sequence[int]) -> ShrinkBeside | None:
+        """Before the base product of `layers` (its columns: each layer's `sizes` in order), the work of their
+        deltas that can start without it: in a CUDA graph (`beside.in_graph`), where the step takes the per-row
+        kernels for all of them, the shrink goes beside the product (`beside.py`). The caller then passes the
+        product's outputs to the result's `expand` instead of `add_to`/`add_siblings_to`. None: nothing started."""
+        if not in_graph(x) or x.dim() != 2 or any(not _plain_in(layer, x.dtype) for layer in layers):
+            return None
+        per_row = _per_row_slots(layers, x)
+        if per_row is None or per_row.tiles is not None:
+            return None
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        targeted = [(layer.name, start, size) for layer, start, size in zip(layers, starts, sizes)
+                    if layer.name in per_row.layers]
+        if not targeted:
+            return None
+        names, offsets, widths = zip(*targeted)
+        return shrink_beside(offsets, widths, x, per_row.slots, per_row.tables, names, per_row.max_rank)
+
+    @staticmethod
+    def add_siblings_to(layers: Sequence["LoraLinear"], outs: Sequence[torch.Tensor], x: torch.Tensor,
+                        early: ShrinkBeside | None = None) -> tuple:
         """`add_to` for sibling layers that share the input `x` and whose outputs `outs` are column slices of one
         fused product (`layers.projections.project`): where the step takes the per-row kernels for all of them,
-        their deltas come in one pair of launches instead of a pair each."""
-        rows = current_lora_rows()
-        kind = layers[0].row_kind
-        per_row = rows.row_slots.get(kind) if rows is not None else None
-        if (per_row is None or rows.segments(kind) or any(layer.row_kind != kind for layer in layers)
-                or any(o.dtype != x.dtype for o in outs) or (rows.dtype is not None and x.dtype != rows.dtype)):
+        their deltas come in one pair of launches instead of a pair each. `early`: `begin_siblings`' shrink."""
+        per_row = _per_row_slots(layers, x)
+        if early is not None:
+            assert per_row is not None and all(o.dtype == x.dtype for o in outs)
+            early.expand([out for layer, out in zip(layers, outs) if layer.name in per_row.layers])
+            return tuple(outs)
+        if per_row is None or any(o.dtype != x.dtype for o in outs):
             return tuple(layer.add_to(out, x) for layer, out in zip(layers, outs))
         targeted = [(layer.name, out) for layer, out in zip(layers, outs) if layer.name in per_row.layers]
         if targeted:
@@ -127,6 +154,24 @@ class LoraLinear(nn.Module):
             add_lora(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), flat, rows.weights[self.name])
             return out
         return add_lora(out, x, segments, rows.weights[self.name])
+
+
+def _per_row_slots(layers: Sequence[LoraLinear], x: torch.Tensor) -> LoraRowSlots | None:
+    """The per-row form's slots where the step takes it for every one of `layers` on x (one row kind, no segments
+    beside it, x in the adapters' dtype), else None."""
+    rows = current_lora_rows()
+    kind = layers[0].row_kind
+    per_row = rows.row_slots.get(kind) if rows is not None else None
+    if (per_row is None or rows.segments(kind) or any(layer.row_kind != kind for layer in layers)
+            or (rows.dtype is not None and x.dtype != rows.dtype)):
+        return None
+    return per_row
+
+
+def _plain_in(layer: LoraLinear, dtype: torch.dtype) -> bool:
+    """Whether the layer's base is a plain linear whose product comes out in `dtype` (a quantized base's may
+    not: its deltas take `add_to`'s path)."""
+    return type(layer.base) is nn.Linear and layer.base.weight.dtype == dtype
 
 
 def _add_per_row(outs: Sequence[torch.Tensor], x: torch.Tensor, per_row, names: Sequence[str]) -> None:

@@ -123,3 +123,40 @@ def test_siblings_in_one_launch_equal_one_launch_each(dtype, rows):
     adapted = row_slots >= 0  # every slot's adapter targets q
     assert adapted.any() and not torch.equal(fused[adapted, :256], start[adapted, :256])
     assert torch.equal(fused[~adapted], start[~adapted])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_shrink_beside_the_product_in_a_graph_equals_the_deltas_after_it(dtype):
+    """lora/beside.py: in a captured graph the shrink runs on a second stream while the product runs, and the
+    expand adds to the product after the join: bit for bit what the deltas added after the product give, at every
+    replay, with the inputs changed between replays (so the join, not luck, orders the reads)."""
+    from loraplex.lora.beside import shrink_beside
+
+    in_features, widths, names, weights, tables = sibling_tables(dtype)
+    rows = 64
+    row_slots = torch.tensor([(3 * i + 1) % 5 - 1 for i in range(rows)], device=DEVICE)
+    weight = torch.randn(sum(widths), in_features, device=DEVICE).to(dtype) / in_features**0.5
+    x = torch.randn(rows, in_features, device=DEVICE).to(dtype)
+    offsets = [sum(widths[:i]) for i in range(len(widths))]
+
+    def beside():
+        early = shrink_beside(offsets, widths, x, row_slots, tables, names, 64)
+        product = x @ weight.t()
+        early.expand(product.split(widths, dim=-1))
+        return product
+
+    beside()  # compiles, and makes the side stream, before the capture
+    torch.cuda.synchronize()
+    graph, plain_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = beside()
+    with torch.cuda.graph(plain_graph):  # the product alone, as the graph computes it
+        plain = x @ weight.t()
+    for seed in range(3):
+        x.copy_(torch.randn(rows, in_features, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(seed)))
+        graph.replay()
+        plain_graph.replay()
+        expected = plain.clone()
+        add_lora_rows_siblings(expected.split(widths, dim=-1), x, row_slots, tables, names, max_rank=64)
+        assert torch.equal(captured, expected)
+        assert not torch.equal(captured, plain), "the adapters must change the product"

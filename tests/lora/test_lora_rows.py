@@ -8,7 +8,7 @@ from loraplex.layers.forward_context import LoraSegment
 from loraplex.lora.adapter import LoraWeights
 from loraplex.lora.upload import laid_out
 from loraplex.lora.kernels import SlotPointers, add_lora, add_lora_rows_reference
-from loraplex.lora.kernels.rows import sibling_launch
+from loraplex.lora.kernels.rows import sibling_launch, sibling_launch_at
 
 
 def weights(rank, seed, in_features=24, out_features=10):
@@ -57,6 +57,20 @@ def test_a_sibling_launch_finds_the_outputs_columns_layers_and_splits():
                          target_programs=20)
     assert one.offsets == (0, 0, 0) and one.layers == (3, 0, 0) and one.widths == (10, 0, 0) and one.blocks == (1, 0, 0)
     assert (one.rank_p, one.splits, one.per_split) == (16, 1, 320)
+
+
+def test_a_launch_planned_before_its_outputs_exist_is_the_one_planned_from_them():
+    """The shrink that runs beside the base product is planned from the product's columns; its expand then takes
+    the product's slices: both plans must agree, targeted subsets of the siblings included."""
+    tables = SlotPointers(["q", "k", "v"], 2, torch.device("cpu"))
+    fused = torch.zeros(5, 70 + 20 + 20)
+    q, k, v = fused.split([70, 20, 20], dim=1)
+    x = torch.zeros(5, 300)
+    for outs, names, offsets in [([q, k, v], ["q", "k", "v"], [0, 70, 90]), ([k, v], ["k", "v"], [70, 90]),
+                                 ([q, v], ["q", "v"], [0, 90]), ([v], ["v"], [90])]:
+        planned = sibling_launch_at(offsets, [o.shape[1] for o in outs], x, tables, names, 17, 5, 64, 64, 20)
+        assert planned == sibling_launch(outs, x, tables, names, 17, 5, 64, 64, 20)
+        assert planned.count == len(outs)
 
 
 def test_a_sibling_launch_refuses_outputs_that_are_not_column_slices_of_one_tensor():

@@ -10,10 +10,15 @@ the same result every run). Expand: one program per (row, block of one layer's o
 partials and multiplies by that block of B, adding the scaled result to `out` in place. A row whose slot is -1,
 or whose slot's rank for the layer is 0, returns at once: its output is never written, so nothing of any adapter
 reaches it. `rows.add_lora_rows_reference` is the reference (tests/gpu/test_gpu_lora_rows.py).
+
+`add_lora_rows_siblings` launches both; `shrink_rows_at` launches the shrink alone, planned from the columns the
+outputs will have, and its `RowShrink.expand` the expand once they exist: in a CUDA graph the shrink runs beside
+the base product that fills them (`lora/beside.py`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -21,7 +26,7 @@ import triton
 import triton.language as tl
 
 from loraplex.layers.kernels.launch import Launcher
-from loraplex.lora.kernels.rows import SlotPointers, sibling_launch
+from loraplex.lora.kernels.rows import SiblingLaunch, SlotPointers, sibling_launch, sibling_launch_at
 
 # Launch shapes from a sweep on the H200 at Llama-8B's shapes (64 rows over 64 adapters and 32 over 8): the
 # kernels are short, so many small programs (eight per SM for the shrink) beat a few long ones.
@@ -120,15 +125,45 @@ def add_lora_rows_siblings(outs: Sequence[torch.Tensor], x: torch.Tensor, row_sl
                            tables: SlotPointers, names: Sequence[str], max_rank: int) -> None:
     """outs[g] += each row's delta of layer names[g], for up to three layers that share the input x [T, in]; the
     outputs are column slices of one tensor [T, *] (one fused product's; a single output is its own)."""
+    launch = sibling_launch(outs, x, tables, names, max_rank, x.shape[0], BLOCK_N, BLOCK_K, TARGET_PROGRAMS)
+    shrink_rows(x, row_slots, tables, launch).expand(outs)
+
+
+def shrink_rows_at(offsets: Sequence[int], widths: Sequence[int], x: torch.Tensor, row_slots: torch.Tensor,
+                   tables: SlotPointers, names: Sequence[str], max_rank: int) -> RowShrink:
+    """The shrink of `add_lora_rows_siblings`, launched before its outputs exist: they will be the columns
+    `offsets`, `widths` of one tensor (the base product's; the shrink reads only x, so it may run beside it)."""
+    launch = sibling_launch_at(offsets, widths, x, tables, names, max_rank, x.shape[0], BLOCK_N, BLOCK_K,
+                               TARGET_PROGRAMS)
+    return shrink_rows(x, row_slots, tables, launch)
+
+
+@dataclass(frozen=True)
+class RowShrink:
+    """A launched shrink: the partial sums its expand reads (on the device) and what that expand launches with."""
+
+    launch: SiblingLaunch
+    partial: torch.Tensor
+    row_slots: torch.Tensor
+    tables: SlotPointers
+
+    def expand(self, outs: Sequence[torch.Tensor]) -> None:
+        """outs[g] += each row's delta (the outputs the shrink was planned for, in its order)."""
+        launch, tables = self.launch, self.tables
+        blocks = launch.blocks
+        out = outs[launch.base]
+        _expand[(out.shape[0], sum(blocks))](
+            out, self.row_slots, tables.pointers, tables.ranks, tables.scales, self.partial, out.stride(0),
+            tables.num_slots, *launch.layers, *launch.widths, *launch.offsets, blocks[0], blocks[0] + blocks[1],
+            SPLITS=launch.splits, RANK_P=launch.rank_p, BLOCK=BLOCK_N, num_warps=EXPAND_WARPS)
+
+
+def shrink_rows(x: torch.Tensor, row_slots: torch.Tensor, tables: SlotPointers, launch: SiblingLaunch) -> RowShrink:
+    """Launches the shrink of x as `launch` plans it, into partial sums of its own."""
     rows = x.shape[0]
-    launch = sibling_launch(outs, x, tables, names, max_rank, rows, BLOCK_N, BLOCK_K, TARGET_PROGRAMS)
-    blocks = launch.blocks
-    out = outs[launch.base]
-    partial = torch.empty(len(outs), rows, launch.splits, launch.rank_p, dtype=torch.float32, device=x.device)
-    _shrink[(rows, launch.splits, len(outs))](
+    partial = torch.empty(launch.count, rows, launch.splits, launch.rank_p, dtype=torch.float32,
+                          device=x.device)
+    _shrink[(rows, launch.splits, launch.count)](
         x, row_slots, tables.pointers, tables.ranks, partial, x.shape[1], launch.per_split, x.stride(0),
         tables.num_slots, *launch.layers, RANK_P=launch.rank_p, BLOCK=BLOCK_K, num_warps=SHRINK_WARPS)
-    _expand[(rows, sum(blocks))](
-        out, row_slots, tables.pointers, tables.ranks, tables.scales, partial, out.stride(0),
-        tables.num_slots, *launch.layers, *launch.widths, *launch.offsets, blocks[0], blocks[0] + blocks[1],
-        SPLITS=launch.splits, RANK_P=launch.rank_p, BLOCK=BLOCK_N, num_warps=EXPAND_WARPS)
+    return RowShrink(launch, partial, row_slots, tables)

@@ -124,7 +124,7 @@ class SiblingLaunch:
     slices of one tensor: `base`, the index of the one that starts first (the others lie at `offsets` elements
     from it), and per sibling, padded to MAX_SIBLINGS, its layer's index in the tables, its width and its output
     blocks; the rank padded to a power of two; the input features split into `splits` spans of `per_split` for the
-    shrink."""
+    shrink; `count`, the siblings before the padding."""
 
     base: int
     offsets: tuple[int, ...]
@@ -134,6 +134,7 @@ class SiblingLaunch:
     rank_p: int
     splits: int
     per_split: int
+    count: int
 
 
 def sibling_launch(outs: Sequence[torch.Tensor], x: torch.Tensor, tables: SlotPointers, names: Sequence[str],
@@ -156,6 +157,18 @@ def sibling_launch(outs: Sequence[torch.Tensor], x: torch.Tensor, tables: SlotPo
                  tuple(o.shape[1] for o in outs), in_features, max_rank, units, block_n, block_k, target_programs)
 
 
+def sibling_launch_at(offsets: Sequence[int], widths: Sequence[int], x: torch.Tensor, tables: SlotPointers,
+                      names: Sequence[str], max_rank: int, units: int, block_n: int, block_k: int,
+                      target_programs: int) -> SiblingLaunch:
+    """`sibling_launch` for outputs that do not exist yet: the columns `offsets` (ascending) and `widths` of one
+    [T, *] tensor the base product will fill (`LoraRowShrink` plans its shrink before that product)."""
+    assert 1 <= len(offsets) == len(widths) == len(names) <= MAX_SIBLINGS and list(offsets) == sorted(offsets)
+    assert x.stride(1) == 1
+    first = offsets[0]
+    return _plan(0, tuple(off - first for off in offsets), tuple(tables.index[name] for name in names),
+                 tuple(widths), x.shape[1], max_rank, units, block_n, block_k, target_programs)
+
+
 @functools.lru_cache(maxsize=4096)
 def _plan(base: int, offsets: tuple[int, ...], layers: tuple[int, ...], widths: tuple[int, ...], in_features: int,
           max_rank: int, units: int, block_n: int, block_k: int, target_programs: int) -> SiblingLaunch:
@@ -164,4 +177,5 @@ def _plan(base: int, offsets: tuple[int, ...], layers: tuple[int, ...], widths: 
     per_split = -(-in_features // splits // block_k) * block_k
     return SiblingLaunch(
         base, offsets + pad, layers + pad, widths + pad, tuple(-(-w // block_n) for w in widths) + pad,
-        rank_p=max(16, 1 << (max_rank - 1).bit_length()), splits=-(-in_features // per_split), per_split=per_split)
+        rank_p=max(16, 1 << (max_rank - 1).bit_length()), splits=-(-in_features // per_split), per_split=per_split,
+        count=len(layers))
