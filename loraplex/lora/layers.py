@@ -101,10 +101,9 @@ class LoraLinear(nn.Module):
         deltas that can start without it: in a CUDA graph (`beside.in_graph`), where the step takes the per-row
         kernels for all of them, the shrink goes beside the product (`beside.py`). The caller then passes the
         product's outputs to the result's `expand` instead of `add_to`/`add_siblings_to`. None: nothing started."""
-        if not in_graph(x) or x.dim() != 2 or any(not _plain_in(layer, x.dtype) for layer in layers):
-            return None
-        per_row = _per_row_slots(layers, x)
-        if per_row is None or per_row.tiles is not None:
+        per_row = _per_row_slots(layers, x)  # first: the cheapest test, and None in most eager steps
+        if (per_row is None or per_row.tiles is not None or x.dim() != 2 or not in_graph(x)
+                or any(not _plain_in(layer, x.dtype) for layer in layers)):
             return None
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         targeted = [(layer.name, start, size) for layer, start, size in zip(layers, starts, sizes)
