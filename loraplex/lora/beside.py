@@ -8,9 +8,10 @@ and only the expand (which adds to the product) stays behind it. In a graph the 
 work. Measured on the H200 (`python -m benchmarks.lora_step`: a step's 32 layers of projections, replayed): 70 ->
 60 us of LoRA per layer; the 8B benchmark's 64-adapter decode went from 69-70% to 70.3-70.6% of its roofline.
 
-Only in graphs (and the eager pass before a capture): an eager step would pay two stream switches per group on the host, and eager steps are the
-ones bound by the host. The partial sums are allocated on the side stream; every later use of their memory is
-ordered after the join (the next fork waits for the main stream), so no `record_stream` is needed.
+Only in graphs (and the eager pass before a capture): an eager step would pay two stream switches per group on
+the host, and eager steps are the ones bound by the host. The partial sums are allocated on the side stream; every
+later use of their memory is ordered after the join (the next fork waits for the main stream), so no
+`record_stream` is needed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from loraplex.layers.forward_context import in_graph_warm_up
+from loraplex.lora.kernels.rows import fits
 
 if TYPE_CHECKING:
     from loraplex.lora.kernels.bgmv import RowShrink
@@ -42,6 +44,7 @@ class ShrinkBeside:
     side: torch.cuda.Stream
 
     def expand(self, outs: Sequence[torch.Tensor]) -> None:
+        assert fits(self.shrink.launch, outs), "the expand's outputs must be the columns its shrink was planned for"
         torch.cuda.current_stream(self.side.device).wait_stream(self.side)
         self.shrink.expand(outs)
 

@@ -8,7 +8,7 @@ from loraplex.layers.forward_context import LoraSegment
 from loraplex.lora.adapter import LoraWeights
 from loraplex.lora.upload import laid_out
 from loraplex.lora.kernels import SlotPointers, add_lora, add_lora_rows_reference
-from loraplex.lora.kernels.rows import sibling_launch, sibling_launch_at
+from loraplex.lora.kernels.rows import fits, sibling_launch, sibling_launch_at
 
 
 def weights(rank, seed, in_features=24, out_features=10):
@@ -70,7 +70,14 @@ def test_a_launch_planned_before_its_outputs_exist_is_the_one_planned_from_them(
                                  ([q, v], ["q", "v"], [0, 90]), ([v], ["v"], [90])]:
         planned = sibling_launch_at(offsets, [o.shape[1] for o in outs], x, tables, names, 17, 5, 64, 64, 20)
         assert planned == sibling_launch(outs, x, tables, names, 17, 5, 64, 64, 20)
-        assert planned.count == len(outs)
+        assert planned.count == len(outs) and fits(planned, outs)
+    # The expand writes through the plan's offsets: any other outputs are refused.
+    planned = sibling_launch_at([70, 90], [20, 20], x, tables, ["k", "v"], 17, 5, 64, 64, 20)
+    assert not fits(planned, [v, k])  # out of order
+    assert not fits(planned, [k])  # one missing
+    assert not fits(planned, [k, torch.zeros(5, 20)])  # not a column of the same tensor
+    assert not fits(planned, [q[:, :20], v])  # the wrong column
+    assert not fits(planned, [k.double(), v.double()])
 
 
 def test_a_sibling_launch_refuses_outputs_that_are_not_column_slices_of_one_tensor():

@@ -161,12 +161,25 @@ def sibling_launch_at(offsets: Sequence[int], widths: Sequence[int], x: torch.Te
                       names: Sequence[str], max_rank: int, units: int, block_n: int, block_k: int,
                       target_programs: int) -> SiblingLaunch:
     """`sibling_launch` for outputs that do not exist yet: the columns `offsets` (ascending) and `widths` of one
-    [T, *] tensor the base product will fill (`LoraRowShrink` plans its shrink before that product)."""
+    [T, *] tensor the base product will fill (`bgmv.shrink_rows_at` plans its shrink before that product; `fits`
+    checks the outputs it is then given)."""
     assert 1 <= len(offsets) == len(widths) == len(names) <= MAX_SIBLINGS and list(offsets) == sorted(offsets)
     assert x.stride(1) == 1
     first = offsets[0]
     return _plan(0, tuple(off - first for off in offsets), tuple(tables.index[name] for name in names),
                  tuple(widths), x.shape[1], max_rank, units, block_n, block_k, target_programs)
+
+
+def fits(launch: SiblingLaunch, outs: Sequence[torch.Tensor]) -> bool:
+    """Whether `outs` are the outputs `launch` was planned for (`sibling_launch_at`): the kernels write through
+    its offsets from `outs[launch.base]`, so any other tensors would be written out of bounds."""
+    if len(outs) != launch.count:
+        return False
+    first = outs[launch.base]
+    size, stride = first.element_size(), first.stride(0)
+    return all(o.dtype == first.dtype and o.stride() == first.stride() and o.shape[0] == first.shape[0]
+               and o.shape[1] == width and o.data_ptr() - first.data_ptr() == offset * size
+               and offset + width <= stride for o, offset, width in zip(outs, launch.offsets, launch.widths))
 
 
 @functools.lru_cache(maxsize=4096)
