@@ -38,21 +38,26 @@ def in_graph(x: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class ShrinkBeside:
-    """A shrink launched on the side stream; `expand` joins it and adds the deltas on the main stream."""
+    """A shrink launched on the side stream for the siblings at positions `targeted` of a product; `expand` joins
+    it and adds their deltas on the main stream."""
 
     shrink: RowShrink
     side: torch.cuda.Stream
+    targeted: tuple[int, ...]
 
-    def expand(self, outs: Sequence[torch.Tensor]) -> None:
+    def expand(self, product_outs: Sequence[torch.Tensor]) -> None:
+        """Adds the deltas to the product's outputs (every sibling's, in order; the untargeted take nothing)."""
+        outs = [product_outs[i] for i in self.targeted]
         assert fits(self.shrink.launch, outs), "the expand's outputs must be the columns its shrink was planned for"
         torch.cuda.current_stream(self.side.device).wait_stream(self.side)
         self.shrink.expand(outs)
 
 
 def shrink_beside(offsets: Sequence[int], widths: Sequence[int], x: torch.Tensor, row_slots: torch.Tensor,
-                  tables, names: Sequence[str], max_rank: int) -> ShrinkBeside:
+                  tables, names: Sequence[str], max_rank: int, targeted: Sequence[int] | None = None) -> ShrinkBeside:
     """Fork: the shrink of `names`' deltas on x, for outputs that will be the columns `offsets`, `widths` of the
-    base product, on the side stream after everything queued so far on the current one."""
+    base product, on the side stream after everything queued so far on the current one. `targeted`: the positions
+    of those outputs among the product's (default: all of them, in order)."""
     from loraplex.lora.kernels.bgmv import shrink_rows_at  # Triton: CUDA only
 
     side = _side_streams.get(x.device)
@@ -61,4 +66,4 @@ def shrink_beside(offsets: Sequence[int], widths: Sequence[int], x: torch.Tensor
     side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side):
         shrink = shrink_rows_at(offsets, widths, x, row_slots, tables, names, max_rank)
-    return ShrinkBeside(shrink, side)
+    return ShrinkBeside(shrink, side, tuple(range(len(names)) if targeted is None else targeted))

@@ -99,19 +99,19 @@ class LoraLinear(nn.Module):
     def begin_siblings(layers: Sequence["LoraLinear"], x: torch.Tensor, sizes: Sequence[int]) -> ShrinkBeside | None:
         """Before the base product of `layers` (its columns: each layer's `sizes` in order), the work of their
         deltas that can start without it: in a CUDA graph (`beside.in_graph`), where the step takes the per-row
-        kernels for all of them, the shrink goes beside the product (`beside.py`). The caller then passes the
+        kernels for all of them, the shrink goes beside the product (`beside.py`). The caller then passes all the
         product's outputs to the result's `expand` instead of `add_to`/`add_siblings_to`. None: nothing started."""
         per_row = _per_row_slots(layers, x)  # first: the cheapest test, and None in most eager steps
         if (per_row is None or per_row.tiles is not None or x.dim() != 2 or not in_graph(x)
                 or any(not _plain_in(layer, x.dtype) for layer in layers)):
             return None
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        targeted = [(layer.name, start, size) for layer, start, size in zip(layers, starts, sizes)
+        targeted = [(i, layer.name, start, size) for i, (layer, start, size) in enumerate(zip(layers, starts, sizes))
                     if layer.name in per_row.layers]
         if not targeted:
             return None
-        names, offsets, widths = zip(*targeted)
-        return shrink_beside(offsets, widths, x, per_row.slots, per_row.tables, names, per_row.max_rank)
+        positions, names, offsets, widths = zip(*targeted)
+        return shrink_beside(offsets, widths, x, per_row.slots, per_row.tables, names, per_row.max_rank, positions)
 
     @staticmethod
     def add_siblings_to(layers: Sequence["LoraLinear"], outs: Sequence[torch.Tensor], x: torch.Tensor,
@@ -119,11 +119,10 @@ class LoraLinear(nn.Module):
         """`add_to` for sibling layers that share the input `x` and whose outputs `outs` are column slices of one
         fused product (`layers.projections.project`): where the step takes the per-row kernels for all of them,
         their deltas come in one pair of launches instead of a pair each. `early`: `begin_siblings`' shrink."""
-        per_row = _per_row_slots(layers, x)
         if early is not None:
-            assert per_row is not None and all(o.dtype == x.dtype for o in outs)
-            early.expand([out for layer, out in zip(layers, outs) if layer.name in per_row.layers])
+            early.expand(outs)
             return tuple(outs)
+        per_row = _per_row_slots(layers, x)
         if per_row is None or any(o.dtype != x.dtype for o in outs):
             return tuple(layer.add_to(out, x) for layer, out in zip(layers, outs))
         targeted = [(layer.name, out) for layer, out in zip(layers, outs) if layer.name in per_row.layers]

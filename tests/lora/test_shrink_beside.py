@@ -33,13 +33,16 @@ class StandIn:
     def __init__(self) -> None:
         self.calls = []
 
-    def __call__(self, offsets, widths, x, row_slots, tables, names, max_rank):
-        call = {"offsets": tuple(offsets), "widths": tuple(widths), "names": tuple(names), "outs": None}
+    def __call__(self, offsets, widths, x, row_slots, tables, names, max_rank, targeted=None):
+        targeted = tuple(range(len(names))) if targeted is None else tuple(targeted)
+        call = {"offsets": tuple(offsets), "widths": tuple(widths), "names": tuple(names), "targeted": targeted,
+                "outs": None}
         self.calls.append(call)
 
-        class Early:
-            def expand(self, outs):
-                call["outs"] = list(outs)
+        class Early:  # as beside.ShrinkBeside: given all the product's outputs, adds to the targeted ones
+            def expand(self, product_outs):
+                outs = [product_outs[i] for i in targeted]
+                call["outs"] = outs
                 for i, out in enumerate(outs):
                     out += i + 1
 
@@ -72,6 +75,7 @@ def test_the_targeted_siblings_shrink_before_the_product_with_their_columns(mode
         q, k, v = project(model.attn, x, ("q", "k", "v"))
     (call,) = stand_in.calls
     assert call["offsets"] == (0, 12) and call["widths"] == (8, 4) and call["names"] == ("attn.q", "attn.v")
+    assert call["targeted"] == (0, 2)
     assert [o.data_ptr() for o in call["outs"]] == [q.data_ptr(), v.data_ptr()]  # the product's own columns
     torch.testing.assert_close(q, plain[0] + 1)
     torch.testing.assert_close(k, plain[1])  # untargeted: nothing added, by either path
