@@ -27,7 +27,7 @@ ASPECT_RATIO_2X2 = 6  # 1 + index of [2, 2] in the default supported_aspect_rati
 def build(device: str):
     import transformers
 
-    from loraplex.config import ModelConfig
+    from loraplex.models.registry import config_from_hf
     from loraplex.engine.loading import build_model
 
     config = transformers.MllamaConfig(text_config=TEXT, vision_config={}, image_token_index=TEXT["vocab_size"])
@@ -39,7 +39,7 @@ def build(device: str):
             hf = transformers.MllamaForConditionalGeneration(config).eval()
     finally:
         torch.set_default_dtype(default)
-    ours_config = ModelConfig.from_hf(config.to_dict())
+    ours_config = config_from_hf(config.to_dict())
     return hf, build_model(ours_config, dict(hf.state_dict())), ours_config
 
 

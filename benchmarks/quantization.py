@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from loraplex.config import EngineConfig, ModelConfig
+from loraplex.models.registry import config_from_hf
 from loraplex.engine.engine import Engine
 from loraplex.engine.loading import LoadedModel, build_model
 from loraplex.models.registry import model_class
@@ -58,7 +59,7 @@ class Result:
 
 def llama_config(args: argparse.Namespace) -> ModelConfig:
     """Llama-3.1-8B's config.json values (but the vocabulary and any size given)."""
-    return ModelConfig.from_hf({
+    return config_from_hf({
         "model_type": "llama", "vocab_size": args.vocab, "hidden_size": args.hidden,
         "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
         "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads, "rms_norm_eps": 1e-5,

@@ -26,9 +26,9 @@ def smollm2_135m(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> L
     Llama-3.1-8B shape did not. (Those speculative figures were measured before `random_model` tied the head:
     the loop did not come from the tied head.)"""
     from benchmarks.quantization import random_model
-    from loraplex.config import ModelConfig
+    from loraplex.models.registry import config_from_hf
 
-    config = ModelConfig.from_hf({
+    config = config_from_hf({
         "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
         "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5,
         "max_position_embeddings": 8192, "rope_theta": 100000.0, "tie_word_embeddings": True,

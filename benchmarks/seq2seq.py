@@ -144,7 +144,7 @@ def build_hf_model(family: str, size: ModelSize = ModelSize(), seed: int = 0):
 def load_loraplex(hf_model, directory: str | os.PathLike, model_id: str = "random-seq2seq"):
     """Save `hf_model` and load it back with loraplex's loader (resolve, config + generation config, weights):
     a LoadedModel on CPU, float32, without a tokenizer (the workload is token ids)."""
-    from loraplex.config import ModelConfig
+    from loraplex.models.registry import config_from_hf
     from loraplex.engine.loading import LoadedModel, build_model, with_generation_config
     from loraplex.weights import load_state_dict, resolve_model
 
@@ -152,7 +152,7 @@ def load_loraplex(hf_model, directory: str | os.PathLike, model_id: str = "rando
     source = resolve_model(str(directory))
     generation = source.path / "generation_config.json"
     config = with_generation_config(
-        ModelConfig.from_hf(source.hf_config), json.loads(generation.read_text()) if generation.exists() else {}
+        config_from_hf(source.hf_config), json.loads(generation.read_text()) if generation.exists() else {}
     )
     model = build_model(config, load_state_dict(source, device="cpu", dtype=torch.float32))
     return LoadedModel(model, config, None, torch.device("cpu"), torch.float32, model_id)

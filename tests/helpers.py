@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from loraplex.config import EngineConfig, ModelConfig
+from loraplex.models.registry import config_from_hf
 from loraplex.engine.engine import Engine
 from loraplex.engine.loading import LoadedModel, build_model
 from loraplex.engine.request import Request
@@ -56,7 +57,7 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, dtype: torch.dtype = torch
 
 
 def ours_from_hf(hf_model, device: str = "cpu", dtype: torch.dtype | None = None):
-    config = ModelConfig.from_hf(hf_model.config.to_dict())
+    config = config_from_hf(hf_model.config.to_dict())
     state = {k: v.detach().clone().to(device=device, dtype=dtype or v.dtype) for k, v in hf_model.state_dict().items()}
     return build_model(config, state), config
 
@@ -217,7 +218,7 @@ def tiny_mpt(seed: int = 0, **attn):
 def load_saved(path) -> tuple[torch.nn.Module, ModelConfig]:
     """Ours from a checkpoint directory as it is on disk (load_ours would save transformers' config first)."""
     source = resolve_model(path)
-    config = ModelConfig.from_hf(source.hf_config)
+    config = config_from_hf(source.hf_config)
     return build_model(config, load_state_dict(source)), config
 
 
@@ -229,7 +230,7 @@ def greedy_tokens(engine, prompts: list[list[int]], new: int) -> list[list[int]]
 def load_ours(hf, path) -> tuple[torch.nn.Module, ModelConfig]:
     hf.save_pretrained(path)
     source = resolve_model(path)
-    config = ModelConfig.from_hf(source.hf_config)
+    config = config_from_hf(source.hf_config)
     return build_model(config, load_state_dict(source)), config
 
 

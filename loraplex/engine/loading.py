@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from loraplex.config import EngineConfig, ModelConfig, token_id, token_ids
-from loraplex.models.registry import model_class
+from loraplex.config import EngineConfig, ModelConfig
+from loraplex.models.hf_config import token_id, token_ids
+from loraplex.models.registry import config_from_hf, model_class
 from loraplex.quantization import check_quantize, move_unquantized, quantize_model, weight_bytes
 from loraplex.tokenizer import Tokenizer
 from loraplex.weights import ModelSource, load_into, load_state_dict, read_json, resolve_model
@@ -93,7 +94,7 @@ def load_model(
 ) -> LoadedModel:
     started = time.perf_counter()
     source: ModelSource = resolve_model(config.model_id, progress=log, revision=config.revision)
-    model_config = with_generation_config(ModelConfig.from_hf(source.hf_config), _generation_config(source))
+    model_config = with_generation_config(config_from_hf(source.hf_config), _generation_config(source))
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
     quantize = getattr(config, "quantize", None)

@@ -24,14 +24,15 @@ computed from `encoder_hidden` for the requests whose encoder ran this step), `c
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from loraplex.config import ModelConfig
+from loraplex.config import BartSettings, EncoderDecoderConfig, ModelConfig, RopeConfig
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.encoder_attention import CrossAttention, EncoderAttention
+from loraplex.models.hf_config import require, token_id, token_ids
 from loraplex.models.t5 import ACTIVATIONS
 
 BART_ACTIVATIONS = {**ACTIVATIONS, "tanh": torch.tanh}
@@ -178,3 +179,61 @@ class BartForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden) + self.final_logits_bias
+
+
+# What activation_function may name (BART_ACTIVATIONS holds their functions).
+SUPPORTED_ACTIVATIONS = ("gelu", "relu", "gelu_new", "silu", "tanh")
+
+
+def bart_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """BART and mBART (mBART: pre-norm layers and final layer norms). Shared fields describe the decoder."""
+    model_type = hf.get("model_type", "bart")
+    d_model = hf.get("d_model", 1024)
+    heads = hf.get("decoder_attention_heads", 16)
+    enc_heads = hf.get("encoder_attention_heads", 16)
+    act = hf.get("activation_function", "gelu")
+    require("activation_function", act, act in SUPPORTED_ACTIVATIONS, f"supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+    require("decoder_attention_heads", heads, d_model % heads == 0, f"does not divide d_model {d_model}")
+    require("encoder_attention_heads", enc_heads, d_model % enc_heads == 0, f"does not divide d_model {d_model}")
+    mbart = model_type == "mbart"
+    eos = hf.get("eos_token_id", 2)
+    # mBART's config has none (transformers' generate then starts from bos_token_id); BART's default is 2.
+    start = hf.get("decoder_start_token_id", None if mbart else 2)
+    start = hf.get("bos_token_id", 0) if start is None else start
+    require("decoder_start_token_id", start, isinstance(start, int) and 0 <= start < hf["vocab_size"], "not a token id")
+    positions = hf.get("max_position_embeddings", 1024)
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=hf["vocab_size"],
+        hidden_size=d_model,
+        intermediate_size=hf.get("decoder_ffn_dim", 4096),
+        num_layers=hf.get("decoder_layers", 12),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=d_model // heads,
+        rms_norm_eps=1e-5,  # nn.LayerNorm's default, which BART uses
+        max_position_embeddings=positions,
+        rope=RopeConfig(),  # unused
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        hidden_act=act,
+        bos_token_id=hf.get("bos_token_id", 0),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        encoder_decoder=EncoderDecoderConfig(
+            num_encoder_layers=hf.get("encoder_layers", 12),
+            decoder_start_token_id=start,
+            max_source_positions=positions,
+            forced_bos_token_id=token_id("forced_bos_token_id", hf.get("forced_bos_token_id"), hf["vocab_size"]),
+            forced_eos_token_ids=token_ids("forced_eos_token_id", hf.get("forced_eos_token_id", 2), hf["vocab_size"]),
+        ),
+        bart=BartSettings(
+            activation=act,
+            scale_embedding=bool(hf.get("scale_embedding", False)),
+            # transformers decides by model_type alone: BART configs' fairseq keys (normalize_before,
+            # add_final_layer_norm, normalize_embedding ...) are ignored, mBART is always pre-norm.
+            normalize_before=mbart,
+            add_final_layer_norm=mbart,
+            layernorm_embedding=True,
+            encoder_ffn_dim=hf.get("encoder_ffn_dim", 4096),
+            encoder_attention_heads=enc_heads,
+        ),
+    )

@@ -20,7 +20,7 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-# One entry per name in config.VISION_ACTIVATIONS (also used by the LLaVA-NeXT projector).
+# The activations a vision config may name (also used by the LLaVA-NeXT projector).
 VISION_ACTIVATIONS = {
     "quick_gelu": quick_gelu,
     "gelu": F.gelu,

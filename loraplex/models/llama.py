@@ -7,6 +7,8 @@ Which rows belong to which sequence is the attention layer's business (the forwa
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +19,7 @@ from loraplex.layers.attention import PagedAttention
 from loraplex.layers.norms import RMSNorm
 from loraplex.layers.projections import project
 from loraplex.layers.rotary import RotaryEmbedding, apply_rotary
+from loraplex.models.hf_config import rope_from_hf
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -126,3 +129,38 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+
+
+def llama_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Llama, Mistral and Qwen2 (config.json as transformers writes it) -> our ModelConfig."""
+    model_type = hf.get("model_type", "llama")
+    num_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    sliding_window = hf.get("sliding_window")
+    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+        sliding_window = None
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        rope=rope_from_hf(hf),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        hidden_act=hf.get("hidden_act", "silu"),
+        sliding_window=sliding_window,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )

@@ -16,13 +16,16 @@ placeholder tokens in the prompt.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
 
 from loraplex.config import ModelConfig, VisionConfig
 from loraplex.models.clip import VISION_ACTIVATIONS, CLIPVisionModel
-from loraplex.models.llama import LlamaModel
+from loraplex.models.hf_config import normalised, require
+from loraplex.models.llama import LLAMA_FAMILY, LlamaModel, llama_config_from_hf
 
 ImageSize = tuple[int, int]  # (height, width) in pixels
 
@@ -174,3 +177,76 @@ def _sizes(image_sizes) -> list[ImageSize]:
     if isinstance(image_sizes, torch.Tensor):
         image_sizes = image_sizes.tolist()
     return [(int(h), int(w)) for h, w in image_sizes]
+
+
+def llava_next_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """LLaVA-NeXT: the decoder fields come from `text_config` (so KV cache sizing is the Llama one's),
+    the image path from `vision_config` and the top level."""
+    from transformers import LlavaNextConfig  # configs only: it fills in the defaults
+
+    try:  # llava-hf configs saved by transformers 4 omit every text/vision field left at its default
+        full = LlavaNextConfig.from_dict(hf).to_dict()
+    except Exception as e:
+        raise ValueError(f"invalid llava_next config: {e}") from e
+    text, vision = full["text_config"], full["vision_config"]
+    if text.get("model_type") not in LLAMA_FAMILY:
+        supported = ", ".join(LLAMA_FAMILY)
+        raise ValueError(f"unsupported text_config.model_type {text.get('model_type')!r}; supported: {supported}")
+    image_size, num_layers = vision["image_size"], vision["num_hidden_layers"]
+    layer = full["vision_feature_layer"]
+    layers = (layer,) if isinstance(layer, int) else tuple(layer)
+    token = hf.get("image_token_id", full.get("image_token_index"))
+    pinpoints = tuple(tuple(p) for p in full.get("image_grid_pinpoints") or ())
+    strategy, projector_act = full["vision_feature_select_strategy"], full["projector_hidden_act"]
+
+    require("vision_config.model_type", vision.get("model_type"), vision.get("model_type") == "clip_vision_model",
+           "supported: clip_vision_model")
+    require("vision_config.image_size", image_size, image_size % vision["patch_size"] == 0,
+           f"not a multiple of patch_size {vision['patch_size']}")
+    require("vision_config.num_attention_heads", vision["num_attention_heads"],
+           vision["hidden_size"] % vision["num_attention_heads"] == 0, "does not divide hidden_size")
+    require("vision_config.hidden_act", vision["hidden_act"], vision["hidden_act"] in VISION_ACTIVATIONS,
+           f"supported: {', '.join(VISION_ACTIVATIONS)}")
+    require("projector_hidden_act", projector_act, projector_act in VISION_ACTIVATIONS,
+           f"supported: {', '.join(VISION_ACTIVATIONS)}")
+    # "full" keeps CLIP's CLS token, which has no place in the any-resolution grid (transformers fails on it).
+    require("vision_feature_select_strategy", strategy, strategy == "default",
+           "a CLIP tower has a CLS token; supported: default")
+    require("vision_feature_layer", layer,
+           bool(layers) and all(isinstance(i, int) and -num_layers - 1 <= i <= num_layers for i in layers),
+           f"each must index the {num_layers + 1} hidden states of the tower")
+    require("image_grid_pinpoints", full.get("image_grid_pinpoints"),
+           bool(pinpoints) and all(len(p) == 2 and all(_positive_multiple(x, image_size) for x in p) for p in pinpoints),
+           f"need (height, width) pairs, each a positive multiple of vision_config.image_size {image_size}")
+    require("image_token_id", token, isinstance(token, int) and 0 <= token < text["vocab_size"],
+           f"not a token of the {text['vocab_size']}-token vocabulary")
+
+    base = normalised(llama_config_from_hf, text)
+    # transformers 5 writes and obeys the top-level flag; transformers 4 obeyed the text config's.
+    tie = hf["tie_word_embeddings"] if "tie_word_embeddings" in hf else base.tie_word_embeddings
+    return replace(
+        base,
+        model_type="llava_next",
+        tie_word_embeddings=bool(tie),
+        vision=VisionConfig(
+            hidden_size=vision["hidden_size"],
+            intermediate_size=vision["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=vision["num_attention_heads"],
+            image_size=image_size,
+            patch_size=vision["patch_size"],
+            layer_norm_eps=float(vision["layer_norm_eps"]),
+            hidden_act=vision["hidden_act"],
+            num_channels=vision["num_channels"],
+            vision_feature_layer=layer if isinstance(layer, int) else layers,
+            vision_feature_select_strategy=strategy,
+            image_grid_pinpoints=pinpoints,  # type: ignore[arg-type]
+            image_token_id=token,
+            projector_hidden_act=projector_act,
+            multimodal_projector_bias=bool(full.get("multimodal_projector_bias", True)),
+        ),
+    )
+
+
+def _positive_multiple(x: Any, of: int) -> bool:
+    return isinstance(x, int) and x > 0 and x % of == 0

@@ -17,16 +17,19 @@ the cross layers altogether, as transformers' text-only path does.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
 
-from loraplex.config import ModelConfig
+from loraplex.config import MllamaSettings, ModelConfig
 from loraplex.layers.encoder_attention import CrossAttention
 from loraplex.layers.norms import RMSNorm
 from loraplex.layers.rotary import RotaryEmbedding
-from loraplex.models.llama import LlamaDecoderLayer, LlamaMLP
-from loraplex.models.mllama_vision import VISION_CHECKPOINT_RENAMES, MllamaImageEncoder
+from loraplex.models.hf_config import normalised, require
+from loraplex.models.llama import LlamaDecoderLayer, LlamaMLP, llama_config_from_hf
+from loraplex.models.mllama_vision import VISION_CHECKPOINT_RENAMES, MllamaImageEncoder, vision_config_from_hf
 
 # Checkpoint name -> module name: transformers 4 (meta-llama's Llama-3.2-Vision) saves the text model as
 # `language_model.model.*` and `language_model.lm_head`; transformers 5 names pass unchanged.
@@ -163,3 +166,32 @@ class MllamaForConditionalGeneration(nn.Module):
         images, tiles = pixel_values.shape[:2]
         states = self.model.encode_images(pixel_values[None], aspect_ratio_ids[None], aspect_ratio_mask[None])
         return states.view(images, tiles, self.states_per_tile, -1)
+
+
+def mllama_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Mllama: a Llama text model (`text_config`, its cross-attention layers counted in num_hidden_layers)
+    and the vision encoder of `vision_config`."""
+    from transformers import MllamaConfig  # configs only: it fills in the defaults
+
+    try:
+        full = MllamaConfig.from_dict(hf).to_dict()
+    except Exception as e:
+        raise ValueError(f"invalid mllama config: {e}") from e
+    text = full["text_config"]
+    layers, vocab = text["num_hidden_layers"], text["vocab_size"]
+    cross = tuple(text.get("cross_attention_layers") or ())
+    token = hf.get("image_token_index", full.get("image_token_index"))
+    require("text_config.cross_attention_layers", cross,
+           all(isinstance(i, int) and 0 <= i < layers for i in cross) and len(set(cross)) == len(cross),
+           f"each must index the {layers} text layers once")
+    require("image_token_index", token, isinstance(token, int) and vocab <= token < vocab + 8,
+           f"the embedding's extra rows are ids {vocab}..{vocab + 7}")
+    base = normalised(llama_config_from_hf, {**text, "model_type": "llama"})
+    tie = hf["tie_word_embeddings"] if "tie_word_embeddings" in hf else base.tie_word_embeddings
+    require("tie_word_embeddings", tie, not tie, "the embedding has 8 rows more than the head")
+    return replace(
+        base,
+        model_type="mllama",
+        tie_word_embeddings=False,
+        mllama=MllamaSettings(tuple(sorted(cross)), token, vision_config_from_hf(full["vision_config"])),
+    )

@@ -15,41 +15,18 @@ other: first the local `transformer` (some of whose layer outputs are kept), the
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.config import MllamaVisionSettings
 from loraplex.models.clip import VISION_ACTIVATIONS
 
 # Checkpoint name -> module name, for the full model's `checkpoint_name`: checkpoints saved by
 # transformers 4 (meta-llama's Llama-3.2-Vision) keep these at the top level.
 VISION_CHECKPOINT_RENAMES = [(re.compile(r"^(vision_model|multi_modal_projector)\."), r"model.\1.")]
-
-
-@dataclass(frozen=True)
-class MllamaVisionSettings:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int  # local transformer
-    num_global_layers: int
-    num_heads: int
-    image_size: int  # side of one square tile, in pixels
-    patch_size: int
-    num_channels: int
-    max_num_tiles: int
-    num_aspect_ratios: int  # len(supported_aspect_ratios): ids run 0 (padding) .. this
-    intermediate_layers_indices: tuple[int, ...]  # local layers whose outputs join the final states
-    norm_eps: float
-    hidden_act: str
-    vision_output_dim: int
-
-    @property
-    def num_patches(self) -> int:
-        """Tokens per tile as the text model's cross-attention mask counts them: patches + CLS."""
-        return (self.image_size // self.patch_size) ** 2 + 1
 
 
 def vision_config_from_hf(hf: dict[str, Any]) -> MllamaVisionSettings:

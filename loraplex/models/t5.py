@@ -19,14 +19,17 @@ computed from `encoder_hidden` for the requests whose encoder ran this step), `c
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.config import ModelConfig
+from loraplex.config import EncoderDecoderConfig, ModelConfig, RopeConfig, T5Settings
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.encoder_attention import CrossAttention, EncoderAttention
 from loraplex.layers.relative_position import RelativePositionBias
+from loraplex.models.hf_config import require, token_id, token_ids
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -232,3 +235,60 @@ class T5ForConditionalGeneration(nn.Module):
         if self.output_scale is not None:
             hidden = hidden * self.output_scale
         return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+
+
+# What feed_forward_proj may name (ACTIVATIONS holds their functions).
+SUPPORTED_ACTIVATIONS = ("relu", "gelu", "gelu_new", "gelu_pytorch_tanh", "silu")
+# Relative positions have no learned limit; the engine's limits apply.
+UNBOUNDED_POSITIONS = 1 << 30
+
+
+def t5_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """T5 v1.0, v1.1 / Flan-T5 and mT5. The shared fields describe the decoder (its layers hold the KV cache)."""
+    proj = hf.get("feed_forward_proj", "relu")
+    parts = proj.split("-") if isinstance(proj, str) else []
+    require("feed_forward_proj", proj, len(parts) in (1, 2) and (len(parts) == 1 or parts[0] == "gated"),
+           "expected ACT or gated-ACT")
+    act = "gelu_new" if proj == "gated-gelu" else parts[-1]  # transformers reads "gated-gelu" as gelu_new
+    require("feed_forward_proj", proj, act in SUPPORTED_ACTIVATIONS, f"supported activations: {', '.join(SUPPORTED_ACTIVATIONS)}")
+    d_model, heads, d_kv = hf["d_model"], hf["num_heads"], hf["d_kv"]
+    num_layers = hf.get("num_layers", 6)
+    # transformers 5 saves `scale_decoder_outputs` and always `tie_word_embeddings: true`; older configs say
+    # `tie_word_embeddings: false` for v1.1 (no rescale, own head).
+    tie = hf.get("tie_word_embeddings", True) is not False
+    # mT5 never rescales (transformers 5's MT5 has no rescale at all; its configs all said untied before).
+    scale = hf.get("scale_decoder_outputs", tie) and hf.get("model_type") != "mt5"
+    eos = hf.get("eos_token_id", 1)
+    start = hf.get("decoder_start_token_id")
+    start = hf.get("pad_token_id", 0) if start is None else start
+    require("decoder_start_token_id", start, isinstance(start, int) and 0 <= start < hf["vocab_size"], "not a token id")
+    return ModelConfig(
+        model_type=hf.get("model_type", "t5"),
+        vocab_size=hf["vocab_size"],
+        hidden_size=d_model,
+        intermediate_size=hf["d_ff"],
+        num_layers=hf.get("num_decoder_layers") or num_layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=d_kv,
+        rms_norm_eps=float(hf.get("layer_norm_epsilon", 1e-6)),
+        max_position_embeddings=UNBOUNDED_POSITIONS,  # relative positions: no learned limit
+        rope=RopeConfig(),  # unused
+        tie_word_embeddings=tie,
+        hidden_act=act,
+        bos_token_id=None,
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        encoder_decoder=EncoderDecoderConfig(
+            num_encoder_layers=num_layers,
+            decoder_start_token_id=start,
+            forced_bos_token_id=token_id("forced_bos_token_id", hf.get("forced_bos_token_id"), hf["vocab_size"]),
+            forced_eos_token_ids=token_ids("forced_eos_token_id", hf.get("forced_eos_token_id"), hf["vocab_size"]),
+        ),
+        t5=T5Settings(
+            feed_forward_act=act,
+            gated=len(parts) == 2,
+            num_buckets=hf.get("relative_attention_num_buckets", 32),
+            max_distance=hf.get("relative_attention_max_distance", 128),
+            scale_decoder_outputs=bool(scale),
+        ),
+    )

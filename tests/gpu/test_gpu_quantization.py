@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from loraplex.config import ModelConfig
+from loraplex.models.registry import config_from_hf
 from loraplex.engine.loading import build_model
 from loraplex.lora.layers import LoraSlots
 from loraplex.params import SamplingParams
@@ -71,7 +71,7 @@ def theirs(path, mode: str):
 def ours(path, mode: str | None):
     """As load_model does it: weights loaded on the GPU in bfloat16, then quantized there."""
     source = resolve_model(path)
-    config = ModelConfig.from_hf(source.hf_config)
+    config = config_from_hf(source.hf_config)
     model = build_model(config, load_state_dict(source, device=DEVICE, dtype=DTYPE))
     if mode is not None:
         quantize_model(model, mode, DEVICE, DTYPE)

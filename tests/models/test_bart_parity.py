@@ -136,17 +136,17 @@ def test_final_logits_bias_matters(tmp_path):
 def test_config_quirks():
     """mBART configs name no decoder start (transformers' generate then starts from bos_token_id); BART
     configs' fairseq keys (normalize_before, add_final_layer_norm) are ignored, as transformers ignores them."""
-    from loraplex.config import ModelConfig
+    from loraplex.models.registry import config_from_hf
 
     fairseq = {"model_type": "bart", "vocab_size": 300, "d_model": 64, "normalize_before": True,
                "add_final_layer_norm": True}
-    assert not ModelConfig.from_hf(fairseq).bart.normalize_before
-    assert not ModelConfig.from_hf(fairseq).bart.add_final_layer_norm
+    assert not config_from_hf(fairseq).bart.normalize_before
+    assert not config_from_hf(fairseq).bart.add_final_layer_norm
     hf = {"model_type": "mbart", "vocab_size": 300, "d_model": 64, "bos_token_id": 0, "decoder_start_token_id": None}
-    assert ModelConfig.from_hf(hf).encoder_decoder.decoder_start_token_id == 0
-    assert ModelConfig.from_hf({**hf, "model_type": "bart"}).encoder_decoder.decoder_start_token_id == 0
+    assert config_from_hf(hf).encoder_decoder.decoder_start_token_id == 0
+    assert config_from_hf({**hf, "model_type": "bart"}).encoder_decoder.decoder_start_token_id == 0
     del hf["decoder_start_token_id"]
-    assert ModelConfig.from_hf({**hf, "model_type": "bart"}).encoder_decoder.decoder_start_token_id == 2
+    assert config_from_hf({**hf, "model_type": "bart"}).encoder_decoder.decoder_start_token_id == 2
 
 
 def test_checkpoints_without_final_logits_bias_or_with_fairseq_keys_load(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from loraplex.config import ModelConfig
+from loraplex.models.registry import config_from_hf
 from loraplex.engine.loading import build_model
 from loraplex.engine.request import Request
 from loraplex.engine.runner import ModelRunner
@@ -67,7 +68,7 @@ def saved(hf, path) -> tuple[torch.nn.Module, ModelConfig]:
 
 def load_dir(path) -> tuple[torch.nn.Module, ModelConfig]:
     source = resolve_model(path)
-    config = ModelConfig.from_hf(source.hf_config)
+    config = config_from_hf(source.hf_config)
     return build_model(config, load_state_dict(source)), config
 
 
@@ -240,7 +241,7 @@ def test_full_select_strategy_is_refused_as_transformers_cannot_run_it():
     with pytest.raises(RuntimeError):
         hf.model.get_image_features(pixel_values, torch.tensor([WIDE]))
     with pytest.raises(ValueError, match="vision_feature_select_strategy"):
-        ModelConfig.from_hf(hf.config.to_dict())
+        config_from_hf(hf.config.to_dict())
 
 
 def test_vision_linears_see_tiles_as_leading_dimension(pair):
@@ -307,12 +308,12 @@ def test_config_normalisation(pair):
     assert (v.vision_feature_layer, v.vision_feature_select_strategy, v.image_token_id) == (-2, "default", IMAGE_TOKEN)
     assert v.image_grid_pinpoints == ((32, 64), (64, 32), (64, 64)) and v.projector_hidden_act == "gelu"
     renamed = {k: v for k, v in raw.items() if k != "image_token_index"} | {"image_token_id": 7}
-    assert ModelConfig.from_hf(renamed).vision.image_token_id == 7
+    assert config_from_hf(renamed).vision.image_token_id == 7
 
     # Older llava-hf configs leave fields at their transformers defaults: they are filled in.
     sparse = json.loads(json.dumps(raw))
     del sparse["vision_config"]["hidden_act"], sparse["text_config"]["intermediate_size"]
-    filled = ModelConfig.from_hf(sparse)
+    filled = config_from_hf(sparse)
     assert filled.vision.hidden_act == "quick_gelu" and filled.intermediate_size == 11008  # LlamaConfig's
 
     bad = {
@@ -325,4 +326,4 @@ def test_config_normalisation(pair):
     }
     for field, change in bad.items():
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-            ModelConfig.from_hf({**raw, **change})
+            config_from_hf({**raw, **change})

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.models.mllama.processing_mllama import get_cross_attention_token_mask
 
-from loraplex.config import ModelConfig
+from loraplex.models.registry import config_from_hf
 from loraplex.engine.image_states import image_rows
 from loraplex.engine.images import ImageInputs
 from loraplex.engine.engine import RequestRefused
@@ -49,9 +49,9 @@ def test_config_and_names(mllama):
 def test_config_refusals():
     base = tiny_mllama_config().to_dict()
     with pytest.raises(ValueError, match="cross_attention_layers"):
-        ModelConfig.from_hf({**base, "text_config": {**base["text_config"], "cross_attention_layers": [9]}})
+        config_from_hf({**base, "text_config": {**base["text_config"], "cross_attention_layers": [9]}})
     with pytest.raises(ValueError, match="image_token_index"):
-        ModelConfig.from_hf({**base, "image_token_index": 5})
+        config_from_hf({**base, "image_token_index": 5})
 
 
 @pytest.mark.parametrize("positions", [[0], [3], [1, 4], [1, 2, 5], [0, 1], [2, 3, 4], [1, 2, 6, 7, 9], [9]])

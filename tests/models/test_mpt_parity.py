@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.config import ModelConfig
+from loraplex.models.registry import config_from_hf
 from loraplex.engine.loading import build_model
 from loraplex.layers.alibi import alibi_slopes
 from loraplex.params import SamplingParams
@@ -35,7 +36,7 @@ PROMPTS = [[5, 17, 42, 99, 3, 120, 7, 1, 64, 100, 11, 12, 13, 14, 15, 16, 20, 21
 
 def load_ours(path):
     source = resolve_model(path)
-    config = ModelConfig.from_hf(source.hf_config)
+    config = config_from_hf(source.hf_config)
     return build_model(config, load_state_dict(source)), config
 
 
@@ -333,14 +334,14 @@ def test_dense_reference_matches_transformers(h6):
 def test_transformers_config_dict_and_defaults():
     import transformers
 
-    config = ModelConfig.from_hf(transformers.MptConfig(d_model=64, n_heads=4, n_layers=3, vocab_size=VOCAB).to_dict())
+    config = config_from_hf(transformers.MptConfig(d_model=64, n_heads=4, n_layers=3, vocab_size=VOCAB).to_dict())
     assert (config.model_type, config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == ("mpt", 3, 4, 4, 16)
     assert config.tie_word_embeddings and config.mpt.alibi and config.mpt.no_bias and config.mpt.norm_type == "layernorm"
     assert config.mpt.softmax_scale == pytest.approx(0.25) and config.intermediate_size == 256
     # A MosaicML config.json that omits attn_config keys, ffn_config and tie_word_embeddings.
     bare = {"model_type": "mpt", "d_model": 64, "n_heads": 8, "n_layers": 2, "vocab_size": VOCAB,
             "expansion_ratio": 2, "attn_config": {"alibi": True, "attn_type": "multiquery_attention"}}
-    config = ModelConfig.from_hf(bare)
+    config = config_from_hf(bare)
     assert (config.num_kv_heads, config.head_dim, config.intermediate_size, config.max_position_embeddings) == (1, 8, 128, 2048)
 
 
@@ -368,4 +369,4 @@ def test_unsupported_fields_are_refused_by_name(field):
     cfg = mosaic_config(**{k: v for k, v in overrides.items() if k != "attn_config"},
                         attn_config=overrides.get("attn_config", {}))
     with pytest.raises(ValueError, match=field):
-        ModelConfig.from_hf(cfg)
+        config_from_hf(cfg)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplex.config import ModelConfig
+from loraplex.models.registry import config_from_hf
 from tests.helpers import (
     encoder_decoder_logits, engine_for, greedy_tokens, hf_seq2seq_greedy, load_ours, load_saved, tiny_t5,
 )
@@ -116,4 +116,4 @@ def test_unsupported_feed_forward_refused(proj):
     hf = {"model_type": "t5", "vocab_size": 300, "d_model": 64, "d_kv": 16, "d_ff": 96, "num_heads": 4,
           "feed_forward_proj": proj}
     with pytest.raises(ValueError, match="feed_forward_proj"):
-        ModelConfig.from_hf(hf)
+        config_from_hf(hf)

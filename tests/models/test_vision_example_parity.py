@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from loraplex.config import ModelConfig
+from loraplex.models.registry import config_from_hf
 from loraplex.engine.loading import build_model
 from loraplex.vision_example import example_model_dir, make_shape_image, user_message
 from loraplex.weights import load_state_dict, resolve_model
@@ -21,7 +21,7 @@ def example():
 
     path = example_model_dir()
     source = resolve_model(path)
-    config = ModelConfig.from_hf(source.hf_config)
+    config = config_from_hf(source.hf_config)
     ours = build_model(config, load_state_dict(source))
     hf = LlavaNextForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     return hf, ours, config, AutoProcessor.from_pretrained(path)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from loraplex.config import EngineConfig, ModelConfig
+from loraplex.models.registry import config_from_hf
 from loraplex.engine.loading import build_model, load_model
 from loraplex.lora.layers import LoraLinear, LoraSlots
 from loraplex.params import SamplingParams
@@ -105,7 +106,7 @@ def hf_quantized(path, mode: str, dtype: torch.dtype, cls=None):
 def ours_from_dir(path, dtype: torch.dtype, mode: str | None = None) -> tuple[nn.Module, ModelConfig]:
     """Our model from a saved checkpoint, as load_model builds it (weights in `dtype`), quantized with `mode`."""
     source = resolve_model(path)
-    config = ModelConfig.from_hf(source.hf_config)
+    config = config_from_hf(source.hf_config)
     model = build_model(config, load_state_dict(source, dtype=dtype))
     if mode is not None:
         quantize_model(model, mode, "cpu", dtype)

@@ -11,7 +11,7 @@ import safetensors
 import torch
 from safetensors.torch import save_file
 
-from loraplex.config import ModelConfig
+from loraplex.models.registry import config_from_hf
 from loraplex.engine import loading
 from loraplex.weights import WeightsError, load_state_dict, resolve_model
 from tests.hostile_safetensors import ENTRY, LIE_PARAMS, craft, nothing_read
@@ -122,20 +122,20 @@ def test_config_fields_of_the_wrong_type_or_size_are_refused_in_one_line(base, f
         target = target.setdefault(name, {})
     target[leaf] = value
     with pytest.raises(ValueError) as info:
-        ModelConfig.from_hf(config)
+        config_from_hf(config)
     message = str(info.value)
     assert message.startswith("config.json: ") and words in message and "\n" not in message
 
 
 def test_the_base_configs_above_are_accepted():
     for base in (LLAMA, T5, MPT, BART):
-        assert ModelConfig.from_hf(base).vocab_size == 64
+        assert config_from_hf(base).vocab_size == 64
 
 
 def test_llama3_rope_needs_a_frequency_band():
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0}
     with pytest.raises(ValueError, match="high_freq_factor 4.0: must exceed low_freq_factor 4.0"):
-        ModelConfig.from_hf({**LLAMA, "rope_scaling": rope})
+        config_from_hf({**LLAMA, "rope_scaling": rope})
 
 
 @pytest.mark.parametrize("eos, words", [("x", "eos_token_id 'x'"), ([1, 999], "999"), ({"a": 1}, "eos_token_id")])
@@ -144,4 +144,4 @@ def test_generation_config_eos_ids_are_checked(tmp_path, eos, words):
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     source = resolve_model(str(path))
     with pytest.raises(ValueError, match=words):
-        loading._generation_eos_ids(source, ModelConfig.from_hf(source.hf_config))
+        loading._generation_eos_ids(source, config_from_hf(source.hf_config))

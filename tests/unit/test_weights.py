@@ -357,9 +357,9 @@ def test_gguf_conversion(tmp_path, tie, bias):
     # The converted config goes through our normaliser and transformers' own config class.
     from transformers import LlamaConfig
 
-    from loraplex.config import ModelConfig
+    from loraplex.models.registry import config_from_hf
 
-    mc = ModelConfig.from_hf(cfg)
+    mc = config_from_hf(cfg)
     assert (mc.head_dim, mc.rope.theta, mc.eos_token_ids, mc.tie_word_embeddings) == (16, 50000.0, (2, 3), tie)
     assert LlamaConfig.from_pretrained(source.path).num_key_value_heads == 2
 

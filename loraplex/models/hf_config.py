@@ -1,0 +1,132 @@
+"""What every family's config normaliser shares: the config.json field checks run before any family reads a
+field (`HF_FIELDS`), the refusal of a value we cannot serve (`require`), token ids, rope scaling, and the
+wrapper that turns a missing field into a ValueError (`normalised`)."""
+
+from __future__ import annotations
+
+import reprlib
+from typing import Any, Callable
+
+from loraplex.config import ModelConfig, RopeConfig
+
+
+def normalised(normalise: Callable[[dict[str, Any]], ModelConfig], hf: dict[str, Any]) -> ModelConfig:
+    """`normalise(hf)`, its fields checked first. Raises ValueError naming what the config lacks, holds wrongly
+    typed, or what we do not serve."""
+    check_hf_fields(hf)
+    try:
+        return normalise(hf)
+    except KeyError as exc:  # a field every config of its family has
+        raise ValueError(f"its config.json lacks {exc.args[0]!r}") from exc
+
+
+def token_id(field: str, value: Any, vocab_size: int) -> int | None:
+    """A config's optional token id (None stays None), checked against the vocabulary."""
+    if value is not None:
+        require(field, value, isinstance(value, int) and 0 <= value < vocab_size, "not a token id")
+    return value
+
+
+def token_ids(field: str, value: Any, vocab_size: int) -> tuple[int, ...]:
+    """A config's token id or list of them, as a tuple (None: empty)."""
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    return tuple(token_id(field, v, vocab_size) for v in values)
+
+
+def require(field: str, value: Any, ok: bool, why: str) -> None:
+    if not ok:
+        raise ValueError(f"unsupported {field} {value!r}: {why}")
+
+
+# config.json fields the families read, checked before anything is built from them, wherever they appear (the top
+# level or a nested config below): a wrong type or an absurd size is refused naming the field, never met later as a
+# TypeError, a ZeroDivisionError or a giant allocation. name -> (kind, smallest, largest); "ints": one or a list.
+# The bounds are far beyond any real model.
+_DIM, _COUNT, _POSITIONS, _TOKEN = (1, 1 << 20), (1, 1 << 12), (1, 1 << 31), (0, 1 << 31)
+_FACTOR = (1e-3, 10**6)
+HF_FIELDS: dict[str, tuple[str, float, float]] = {
+    "vocab_size": ("int", 1, 1 << 24),
+    **dict.fromkeys(("hidden_size", "intermediate_size", "head_dim", "d_model", "d_ff", "d_kv", "decoder_ffn_dim",
+                     "encoder_ffn_dim", "ffn_hidden_size", "vision_output_dim"), ("int", *_DIM)),
+    **dict.fromkeys(("num_hidden_layers", "n_layers", "num_layers", "num_decoder_layers", "encoder_layers",
+                     "decoder_layers", "num_global_layers", "num_attention_heads", "num_key_value_heads", "n_heads",
+                     "num_heads", "kv_n_heads", "encoder_attention_heads", "decoder_attention_heads", "attention_heads",
+                     "relative_attention_num_buckets", "max_num_tiles"), ("int", *_COUNT)),
+    **dict.fromkeys(("max_position_embeddings", "max_seq_len", "original_max_position_embeddings",
+                     "relative_attention_max_distance"), ("int", *_POSITIONS)),
+    "image_size": ("ints", 1, 1 << 14), "patch_size": ("int", 1, 1 << 14), "num_channels": ("int", 1, 64),
+    **dict.fromkeys(("bos_token_id", "eos_token_id", "decoder_start_token_id", "forced_bos_token_id",
+                     "forced_eos_token_id", "image_token_id", "image_token_index"), ("ints", *_TOKEN)),
+    "sliding_window": ("int", *_TOKEN),  # 0 in some configs that turn it off (use_sliding_window false)
+    **dict.fromkeys(("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps"), ("num", 0, 1)),
+    "rope_theta": ("num", 1, 10**12), "alibi_bias_max": ("num", 0, 1000), "expansion_ratio": ("num", *_FACTOR),
+    **dict.fromkeys(("factor", "low_freq_factor", "high_freq_factor"), ("num", *_FACTOR)),
+    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "no_bias",
+                     "scale_embedding", "qk_ln", "alibi", "multimodal_projector_bias", "scale_decoder_outputs"),
+                    ("bool", 0, 0)),
+    **dict.fromkeys(("model_type", "hidden_act", "activation_function", "feed_forward_proj", "norm_type",
+                     "projector_hidden_act", "rope_type", "type"), ("str", 0, 0)),
+    **dict.fromkeys(("text_config", "vision_config", "attn_config", "ffn_config", "rope_scaling", "rope_parameters"),
+                    ("object", 0, 0)),
+}
+# Fields the families read as "absent" when null (`x or default`, `x is None`); any other may not be null.
+HF_NULLABLE = frozenset({
+    "num_key_value_heads", "head_dim", "sliding_window", "num_decoder_layers", "kv_n_heads", "ffn_hidden_size",
+    "bos_token_id", "eos_token_id", "decoder_start_token_id", "forced_bos_token_id",
+    "forced_eos_token_id", "image_token_id", "image_token_index", "text_config", "vision_config", "attn_config",
+    "ffn_config", "rope_scaling", "rope_parameters",
+})
+_NESTED = ("text_config", "vision_config", "attn_config", "ffn_config", "rope_scaling", "rope_parameters")
+_KINDS = {"int": "an integer", "ints": "an integer or a list of integers", "num": "a number", "bool": "true or false",
+          "str": "a string", "object": "an object"}
+
+
+def check_hf_fields(hf: Any, where: str = "", depth: int = 0) -> None:
+    """Refuse a config.json (a dict from JSON) whose known fields have the wrong type or an absurd value (HF_FIELDS),
+    with a one-line ValueError naming the field."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"config.json: {where.rstrip('.') or 'the config'} must be an object; got {reprlib.repr(hf)}")
+    for name, (kind, lo, hi) in HF_FIELDS.items():
+        if name not in hf or (hf[name] is None and name in HF_NULLABLE):
+            continue
+        value = hf[name]
+        if not _field_ok(kind, value, lo, hi):
+            bounds = f" in [{lo}, {hi}]" if kind in ("int", "ints", "num") else ""
+            raise ValueError(f"config.json: {where}{name} must be {_KINDS[kind]}{bounds}; got {reprlib.repr(value)}")
+    for name in _NESTED if depth < 2 else ():
+        if isinstance(hf.get(name), dict):
+            check_hf_fields(hf[name], f"{where}{name}.", depth + 1)
+
+
+def _field_ok(kind: str, value: Any, lo: float, hi: float) -> bool:
+    def number(x: Any, integer: bool) -> bool:
+        if isinstance(x, bool) or not isinstance(x, int if integer else (int, float)):
+            return False
+        return lo <= x <= hi  # false for NaN
+
+    if kind == "ints":
+        return all(number(x, True) for x in value) if isinstance(value, list) else number(value, True)
+    if kind in ("int", "num"):
+        return number(value, kind == "int")
+    return isinstance(value, {"bool": bool, "str": str, "object": dict}[kind])
+
+
+def rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters` (theta inside); older versions `rope_theta` + `rope_scaling`.
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+    low, high = merged.get("low_freq_factor", 1.0), merged.get("high_freq_factor", 4.0)
+    require("rope_scaling.high_freq_factor", high, kind != "llama3" or high > low, f"must exceed low_freq_factor {low}")
+    return RopeConfig(
+        theta=float(theta),
+        kind=kind,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(low),
+        high_freq_factor=float(high),
+        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+    )
