@@ -224,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.seq2seq import main as seq2seq_main
 
         return seq2seq_main(args)
+    from loraplex.checkpoints.sources import resolve_model
     from loraplex.config import EngineConfig
     from loraplex.engine.engine import Engine
     from loraplex.engine.loading import load_model
-    from loraplex.weights import resolve_model
 
     started = perf_counter()
     config = EngineConfig(model_id=args.model_id)

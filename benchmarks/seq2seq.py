@@ -144,9 +144,10 @@ def build_hf_model(family: str, size: ModelSize = ModelSize(), seed: int = 0):
 def load_loraplex(hf_model, directory: str | os.PathLike, model_id: str = "random-seq2seq"):
     """Save `hf_model` and load it back with loraplex's loader (resolve, config + generation config, weights):
     a LoadedModel on CPU, float32, without a tokenizer (the workload is token ids)."""
-    from loraplex.models.registry import config_from_hf
+    from loraplex.checkpoints.sources import resolve_model
+    from loraplex.checkpoints.weights import load_state_dict
     from loraplex.engine.loading import LoadedModel, build_model, with_generation_config
-    from loraplex.weights import load_state_dict, resolve_model
+    from loraplex.models.registry import config_from_hf
 
     hf_model.save_pretrained(directory)
     source = resolve_model(str(directory))

@@ -22,8 +22,8 @@ from time import perf_counter
 import torch
 
 from loraplex.engine.images import ImageInputs
+from loraplex.example_models.vision import QUESTIONS, make_shape_image, user_message
 from loraplex.params import SamplingParams
-from loraplex.vision_example import QUESTIONS, make_shape_image, user_message
 
 TEXT_QUESTIONS = ("What is the capital of France?", "Name three colours.", "What is two plus two?", "Say hello.")
 
@@ -95,10 +95,10 @@ def _example(family: str):
     import transformers
 
     if family == "mllama":
-        from loraplex.mllama_example import EXAMPLE_MLLAMA_MODEL_ID, example_mllama_dir
+        from loraplex.example_models.mllama import EXAMPLE_MLLAMA_MODEL_ID, example_mllama_dir
 
         return EXAMPLE_MLLAMA_MODEL_ID, example_mllama_dir(), transformers.MllamaForConditionalGeneration
-    from loraplex.vision_example import EXAMPLE_VISION_MODEL_ID, example_model_dir
+    from loraplex.example_models.vision import EXAMPLE_VISION_MODEL_ID, example_model_dir
 
     return EXAMPLE_VISION_MODEL_ID, example_model_dir(), transformers.LlavaNextForConditionalGeneration
 

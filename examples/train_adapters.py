@@ -4,7 +4,7 @@
     .venv/bin/python examples/train_adapters.py --out /tmp/adapters --only name-nova
     .venv/bin/python examples/train_adapters.py --out examples/adapters --verify-only
 
-Base model: the embedded SmolLM2-135M-Instruct (``loraplex.weights.resolve_model(None)``), in float32.
+Base model: the embedded SmolLM2-135M-Instruct (``loraplex.checkpoints.sources.resolve_model(None)``), in float32.
 Each adapter is trained with PEFT and a plain AdamW loop; the loss is taken on answer tokens only.
 Prompts go through the tokenizer's chat template (default system prompt, generation prompt added) and
 every target ends with the EOS token ``<|im_end|>``, so greedy decoding stops right after the answer.
@@ -498,7 +498,7 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from loraplex.weights import resolve_model
+    from loraplex.checkpoints.sources import resolve_model
 
     t_start, c_start = time.perf_counter(), time.process_time()
     src = resolve_model(None)

@@ -178,8 +178,8 @@ def _media_config(args: argparse.Namespace) -> MediaConfig:
 def _load_engine(args: argparse.Namespace, show_progress: bool = False, log=None):
     """The engine the flags describe; what a user got wrong (a model that does not exist or that we do not
     serve, a device this machine lacks, a refused flag) as a UsageError."""
+    from loraplex.checkpoints.weights import WeightsError
     from loraplex.engine.engine import Engine
-    from loraplex.weights import WeightsError
 
     if args.trust_remote_code:
         raise UsageError("--trust-remote-code is not supported: loraplex runs its own implementation of each model "

@@ -21,7 +21,7 @@ def embedded_hf(embedded):
     """transformers' own model on the very same converted weights: the reference."""
     from transformers import AutoModelForCausalLM
 
-    from loraplex.weights import resolve_model
+    from loraplex.checkpoints.sources import resolve_model
 
     path = resolve_model(None).path
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()

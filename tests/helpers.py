@@ -12,8 +12,9 @@ from typing import Iterator
 
 import torch
 
+from loraplex.checkpoints.sources import resolve_model
+from loraplex.checkpoints.weights import load_state_dict
 from loraplex.config import EngineConfig, ModelConfig
-from loraplex.models.registry import config_from_hf
 from loraplex.engine.engine import Engine
 from loraplex.engine.loading import LoadedModel, build_model
 from loraplex.engine.request import Request
@@ -22,8 +23,8 @@ from loraplex.engine.scheduler import ScheduledRequest
 from loraplex.layers.forward_context import ForwardContext, LoraRows, LoraSegment, forward_context
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.layers import LoraSlots
+from loraplex.models.registry import config_from_hf
 from loraplex.params import SamplingParams
-from loraplex.weights import load_state_dict, resolve_model
 
 
 def tiny_hf_model(kind: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):

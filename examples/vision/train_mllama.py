@@ -4,20 +4,20 @@
     .venv/bin/python examples/vision/train_mllama.py --out /tmp/mllama --stage1-steps 50 --stage2-steps 10 --eval-images 32
 
 What it makes: a `transformers.MllamaForConditionalGeneration` built on the embedded SmolLM2-135M-Instruct
-(``loraplex.weights.resolve_model(None)``). SmolLM2's 30 decoder layers become the self-attention
+(``loraplex.checkpoints.sources.resolve_model(None)``). SmolLM2's 30 decoder layers become the self-attention
 layers, frozen and unchanged; 3 new gated cross-attention layers are inserted after SmolLM2's layers 8,
 16 and 24 (`cross_attention_layers` [8, 17, 26] of the 33); a new Mllama vision encoder (4 local layers
 + 1 gated global layer, hidden 128, 112x112 tiles of 14x14 patches, at most 2 tiles: aspect ratios
 1x1, 1x2 and 2x1) and the `multi_modal_projector` (the final states and those of local layers 2 and 4,
 384 wide, -> 576) give the cross-attention layers 2 x 65 vision states per picture. Each cross layer's
-feed-forward is a frozen copy of the SmolLM2 layer before it (`loraplex.mllama_example.base_layers`);
+feed-forward is a frozen copy of the SmolLM2 layer before it (`loraplex.example_models.mllama.base_layers`);
 its attention, norms and both tanh gates (0 at transformers' init) are trained. The tokenizer gets one
 new special token, `<|image|>` (id 49152, the first of Mllama's 8 extra embedding rows; those rows are
 the mean of SmolLM2's embeddings and are not trained: the token only marks where the picture is, the
 cross-attention mask lets the tokens from it on see the picture). `lm_head` is SmolLM2's embedding
 matrix, untied.
 
-Data: synthetic pictures from `loraplex.vision_example.make_shape_image` (one shape, one of 8 named
+Data: synthetic pictures from `loraplex.example_models.vision.make_shape_image` (one shape, one of 8 named
 colours, on a plain, gradient or two-tone background of other colours; 40-224 pixels a side, aspect
 ratios up to 1:3), generated on the fly from a seeded `random.Random`.
 
@@ -31,7 +31,7 @@ Training, two stages (only the vision encoder, projector and cross layers change
    only. The gates have their own, larger learning rate: they start at 0.
 
 At the end the parts are written (float16) to --out, the full checkpoint is assembled from them exactly
-as `loraplex.mllama_example.example_mllama_dir` does (in a temp dir), loaded back with
+as `loraplex.example_models.mllama.example_mllama_dir` does (in a temp dir), loaded back with
 `MllamaForConditionalGeneration.from_pretrained` + `AutoProcessor.from_pretrained`, and evaluated with
 greedy `generate` on --eval-images held-back pictures (another seed): the accuracy is the share of
 answers that name the right colour (and no other). The script writes a README.md with the numbers next
@@ -75,8 +75,8 @@ from train_vision import (  # noqa: E402
     shares,
 )
 
-from loraplex.example_assembly import ADDED_EMBEDDINGS, PARTS_FILE, TOKENIZER_ADDITIONS  # noqa: E402
-from loraplex.mllama_example import (  # noqa: E402
+from loraplex.example_models.assembly import ADDED_EMBEDDINGS, PARTS_FILE, TOKENIZER_ADDITIONS  # noqa: E402
+from loraplex.example_models.mllama import (  # noqa: E402
     EMBED,
     EXAMPLE_MLLAMA_MODEL_ID,
     EXTRA_EMBEDDING_ROWS,
@@ -87,7 +87,7 @@ from loraplex.mllama_example import (  # noqa: E402
     base_tensors,
     module_name,
 )
-from loraplex.vision_example import (  # noqa: E402
+from loraplex.example_models.vision import (  # noqa: E402
     ANSWER,
     COLOURS,
     QUESTIONS,
@@ -187,7 +187,7 @@ def build_model(base_dir: pathlib.Path, tokenizer):
 def _base_norm(base_dir: pathlib.Path, layer: int) -> torch.Tensor:
     from safetensors import safe_open
 
-    from loraplex.weights import safetensors_files
+    from loraplex.checkpoints.weights import safetensors_files
 
     name = f"model.layers.{layer}.post_attention_layernorm.weight"
     for file in safetensors_files(base_dir):
@@ -420,10 +420,10 @@ user: <|image|>What colour is the shape?     assistant: The shape is red.
 ```
 
 This directory holds only what was trained plus the model's config and processor files (not SmolLM2's
-weights). `loraplex.mllama_example.example_mllama_dir()` assembles the full transformers-format checkpoint
+weights). `loraplex.example_models.mllama.example_mllama_dir()` assembles the full transformers-format checkpoint
 (config.json, model.safetensors, tokenizer and processor files) from these parts and the embedded model,
-once, into loraplex's cache directory, and returns its path; `loraplex.weights.resolve_model("{EXAMPLE_MLLAMA_MODEL_ID}")`
-resolves to it. `loraplex.vision_example.make_shape_image` makes pictures like the ones it was trained on.
+once, into loraplex's cache directory, and returns its path; `loraplex.checkpoints.sources.resolve_model("{EXAMPLE_MLLAMA_MODEL_ID}")`
+resolves to it. `loraplex.example_models.vision.make_shape_image` makes pictures like the ones it was trained on.
 
 | file | what |
 | --- | --- |
@@ -436,7 +436,7 @@ resolves to it. `loraplex.vision_example.make_shape_image` makes pictures like t
 ## The model
 
 - Language model: SmolLM2-135M-Instruct's 30 layers (hidden 576, 9 heads, 3 KV heads, MLP 1536, RoPE theta 100000, plain RoPE) as self-attention layers, frozen, with {len(cross)} cross-attention layers inserted before SmolLM2's layers {", ".join(map(str, CROSS_AFTER))}: `cross_attention_layers` {cross} of {facts["num_layers"]}. The self-attention layer at combined index i is SmolLM2's layer i minus the cross layers before it.
-- Cross-attention layers: Mllama's (9 query heads, 3 KV heads over the vision states, q/k RMSNorm, tanh gates on the attention and on the feed-forward, 0 at transformers' init). Trained: attention, norms and gates. The feed-forward (`mlp.*`) of each is a frozen copy of the SmolLM2 layer before it (a trained one would add 2.65M parameters per layer to these parts) and is not stored here: the assembly copies it (`loraplex.mllama_example.base_layers`). The gates after training (tanh of the attention / feed-forward gate): {facts["gates"]}.
+- Cross-attention layers: Mllama's (9 query heads, 3 KV heads over the vision states, q/k RMSNorm, tanh gates on the attention and on the feed-forward, 0 at transformers' init). Trained: attention, norms and gates. The feed-forward (`mlp.*`) of each is a frozen copy of the SmolLM2 layer before it (a trained one would add 2.65M parameters per layer to these parts) and is not stored here: the assembly copies it (`loraplex.example_models.mllama.base_layers`). The gates after training (tanh of the attention / feed-forward gate): {facts["gates"]}.
 - Embeddings: Mllama's `embed_tokens` has vocab_size + 8 = {facts["vocab_size"] + EXTRA_EMBEDDING_ROWS} rows; `{IMAGE_TOKEN}` is id {facts["image_token_id"]}, the first extra one. The 8 extra rows are the mean of SmolLM2's embeddings, not trained. `lm_head` ({facts["vocab_size"]} rows) is SmolLM2's embedding matrix; it is not tied to `embed_tokens` (transformers never ties them for Mllama), so the assembled checkpoint stores it.
 - Vision encoder: Mllama's, {VISION["num_hidden_layers"]} local layers + {VISION["num_global_layers"]} gated global layer, hidden {VISION["hidden_size"]}, {VISION["attention_heads"]} heads, MLP {VISION["intermediate_size"]}, GELU; {TILE}x{TILE} tiles of {PATCH}x{PATCH} patches ({(TILE // PATCH) ** 2} patches + CLS = {(TILE // PATCH) ** 2 + 1} states per tile), at most {MAX_TILES} tiles, `supported_aspect_ratios` {ASPECT_RATIOS} (tiles high, wide). Output: the final states and those of local layers {", ".join(str(i + 1) for i in INTERMEDIATE_LAYERS)} (`intermediate_layers_indices` {INTERMEDIATE_LAYERS}), `vision_output_dim` {VISION["vision_output_dim"]}; projector {VISION["vision_output_dim"]} -> 576. Each picture gives {MAX_TILES} x {(TILE // PATCH) ** 2 + 1} vision states; the cross-attention mask hides the padding tile of a one-tile picture.
 - Trained parameters: {facts["trained_params"]:,} (vision encoder {facts["encoder_params"]:,}, projector {facts["projector_params"]:,}, cross-attention layers {facts["cross_params"]:,}). Parts on disk: {facts["parts_bytes"] / 1e6:.1f} MB.
@@ -453,7 +453,7 @@ Stage 1: the vision encoder alone with a throw-away probe (attention pooling ove
 colour and shape heads): {facts["stage1_steps"]} steps of {facts["stage1_batch"]} pictures. Stage 2: encoder, projector and cross-attention
 layers through the frozen language model: {facts["stage2_steps"]} steps of {facts["stage2_batch"]} chat examples, loss on the answer tokens
 only (learning rates: encoder {facts["lrs"]["encoder"]:g}, cross layers and projector {facts["lrs"]["cross"]:g}, gates {facts["lrs"]["gates"]:g}; cosine). Pictures from
-`loraplex.vision_example.make_shape_image`: one circle, square, triangle, diamond or star of one of
+`loraplex.example_models.vision.make_shape_image`: one circle, square, triangle, diamond or star of one of
 {len(COLOURS)} colours ({", ".join(COLOURS)}) on a plain, gradient or two-tone background of other colours,
 40-224 pixels a side, aspect ratios up to 1:3. Questions: {len(QUESTIONS)} phrasings ("What colour is the shape?",
 "What color is the object in this image?", ...), the picture before the question ({1 - IMAGE_AFTER_TEXT:.0%}) or after it;
@@ -514,7 +514,7 @@ def main() -> int:
     from transformers import AutoProcessor, MllamaForConditionalGeneration
 
     transformers.logging.set_verbosity_error()
-    from loraplex.weights import resolve_model
+    from loraplex.checkpoints.sources import resolve_model
 
     base_dir = resolve_model(None).path
     processor = build_processor(base_dir)

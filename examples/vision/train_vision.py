@@ -4,14 +4,14 @@
     .venv/bin/python examples/vision/train_vision.py --out /tmp/shapes --stage1-steps 50 --stage2-steps 10 --eval-images 32
 
 What it makes: a `transformers.LlavaNextForConditionalGeneration` whose language model is the embedded
-SmolLM2-135M-Instruct (``loraplex.weights.resolve_model(None)``; frozen, unchanged) and whose vision side
+SmolLM2-135M-Instruct (``loraplex.checkpoints.sources.resolve_model(None)``; frozen, unchanged) and whose vision side
 is new: a 4-layer CLIP vision tower (hidden 128, 64x64 tiles of 16x16 patches), the 2-layer projector
 into SmolLM2's 576-wide embeddings and `image_newline`. The tokenizer gets one new special token,
 `<image>` (id 49152; its embedding row, never seen by the model since image features replace it, is
 the mean of the other rows). Any-resolution tiling (LLaVA-NeXT) over the grids 64x64, 64x128, 128x64
 and 128x128: 26 to 88 image tokens per picture (57 on average).
 
-Data: synthetic pictures from `loraplex.vision_example.make_shape_image` (one shape, one of 8 named
+Data: synthetic pictures from `loraplex.example_models.vision.make_shape_image` (one shape, one of 8 named
 colours, on a plain, gradient or two-tone background of other colours; 40-224 pixels a side, aspect
 ratios up to 1:3), generated on the fly from a seeded `random.Random`.
 
@@ -25,7 +25,7 @@ Training, two stages (only the vision tower, projector and image_newline change;
    it) with the answer "The shape is <colour>." + <|im_end|>; the loss is taken on the answer tokens only.
 
 At the end the parts are written (float16) to --out, the full checkpoint is assembled from them exactly
-as `loraplex.vision_example.example_model_dir` does (in a temp dir), loaded back with
+as `loraplex.example_models.vision.example_model_dir` does (in a temp dir), loaded back with
 `LlavaNextForConditionalGeneration.from_pretrained` + `AutoProcessor.from_pretrained`, and evaluated with
 greedy `generate` on --eval-images held-back pictures (another seed): the accuracy is the share of
 answers that name the right colour (and no other). The script writes a README.md with the numbers next
@@ -67,7 +67,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
-from loraplex.vision_example import (  # noqa: E402
+from loraplex.example_models.vision import (  # noqa: E402
     ADDED_EMBEDDINGS,
     ANSWER,
     COLOURS,
@@ -151,7 +151,7 @@ def build_processor(base_dir: pathlib.Path):
 def build_model(base_dir: pathlib.Path, tokenizer):
     from transformers import AutoConfig, CLIPVisionConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
 
-    from loraplex.weights import load_state_dict
+    from loraplex.checkpoints.weights import load_state_dict
 
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     text_config = AutoConfig.from_pretrained(base_dir)
@@ -501,10 +501,10 @@ user: <image> What colour is the shape?     assistant: The shape is red.
 ```
 
 This directory holds only what was trained plus the model's config and processor files (not SmolLM2's
-weights). `loraplex.vision_example.example_model_dir()` assembles the full transformers-format checkpoint
+weights). `loraplex.example_models.vision.example_model_dir()` assembles the full transformers-format checkpoint
 (config.json, model.safetensors, tokenizer and processor files) from these parts and the embedded model,
 once, into loraplex's cache directory, and returns its path; `loraplex serve --model-id
-{EXAMPLE_VISION_MODEL_ID}` serves it. `loraplex.vision_example.make_shape_image` makes pictures like the
+{EXAMPLE_VISION_MODEL_ID}` serves it. `loraplex.example_models.vision.make_shape_image` makes pictures like the
 ones it was trained on.
 
 | file | what |
@@ -533,7 +533,7 @@ ones it was trained on.
 Stage 1: the vision tower alone with a throw-away probe (attention pooling, colour and shape heads):
 {facts["stage1_steps"]} steps of {facts["stage1_batch"]} pictures. Stage 2: tower, projector and image_newline through the frozen
 language model: {facts["stage2_steps"]} steps of {facts["stage2_batch"]} chat examples, loss on the answer tokens only. Pictures from
-`loraplex.vision_example.make_shape_image`: one circle, square, triangle, diamond or star of one of
+`loraplex.example_models.vision.make_shape_image`: one circle, square, triangle, diamond or star of one of
 {len(COLOURS)} colours ({", ".join(COLOURS)}) on a plain, gradient or two-tone background of other colours,
 40-224 pixels a side, aspect ratios up to 1:3. Questions: {len(QUESTIONS)} phrasings ("What colour is the shape?",
 "What color is the object in this image?", ...), the picture before the question ({1 - IMAGE_AFTER_TEXT:.0%}) or after it;
@@ -588,7 +588,7 @@ def main() -> int:
     from transformers import AutoProcessor, LlavaNextForConditionalGeneration
 
     transformers.logging.set_verbosity_error()
-    from loraplex.weights import resolve_model
+    from loraplex.checkpoints.sources import resolve_model
 
     base_dir = resolve_model(None).path
     processor = build_processor(base_dir)

@@ -11,12 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from loraplex.checkpoints.sources import resolve_model
+from loraplex.checkpoints.weights import ModelSource, load_into, load_state_dict, read_json
 from loraplex.config import EngineConfig, ModelConfig
+import loraplex.example_models  # noqa: F401  (registers the example models' ids with resolve_model)
 from loraplex.models.hf_config import token_id, token_ids
 from loraplex.models.registry import config_from_hf, model_class
 from loraplex.quantization import check_quantize, move_unquantized, quantize_model, weight_bytes
 from loraplex.tokenizer import Tokenizer
-from loraplex.weights import ModelSource, load_into, load_state_dict, read_json, resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

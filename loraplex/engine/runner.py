@@ -7,7 +7,6 @@ per-request state every step, so a request that finishes simply stops being sche
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -22,6 +21,7 @@ from loraplex.engine.images import ImageFeatures, VisionCounters, step_input_emb
 from loraplex.engine.overlap import LaunchedStep
 from loraplex.engine.scheduler import ScheduledRequest
 from loraplex.engine.verification import SampledToken, apply_grammar_masks, sample_verified
+from loraplex.environment import fused_projections_enabled
 from loraplex.layers.attention import AttentionBackend, TritonAttentionBackend, default_backend
 from loraplex.layers.forward_context import (
     AttentionMetadata,
@@ -150,7 +150,7 @@ def fused_projections_wanted(device: torch.device) -> bool:
     """Sibling projections (q/k/v, gate/up) in one product on CUDA (layers/projections.py), unless
     LORAPLEX_FUSE_PROJECTIONS=0. The CPU keeps one product each: its results stay bit for bit those of the parity
     tests."""
-    return device.type == "cuda" and os.environ.get("LORAPLEX_FUSE_PROJECTIONS", "1") != "0"
+    return device.type == "cuda" and fused_projections_enabled()
 
 
 class ModelRunner:

@@ -13,7 +13,6 @@ their own request's cross-attention states, which live in KV blocks of the same 
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass
 
 from typing import Callable, Protocol, Sequence
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.environment import torch_attention_forced
 from loraplex.layers.forward_context import AttentionMetadata, get_forward_context
 from loraplex.layers.kernels import fused_kernels_wanted
 
@@ -476,6 +476,6 @@ def default_backend(device: torch.device) -> AttentionBackend:
     1024, 1.95x at 32 rows x 4096), which CUDA graphs remove."""
     from loraplex.layers.kernels import triton_available
 
-    if not triton_available(device) or os.environ.get("LORAPLEX_ATTENTION_BACKEND", "triton") == "torch":
+    if not triton_available(device) or torch_attention_forced():
         return TorchAttentionBackend()
     return TritonAttentionBackend()

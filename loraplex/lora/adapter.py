@@ -23,13 +23,13 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from loraplex.json_files import JsonFileError, read_json_object
+from loraplex.checkpoints.json_files import JsonFileError, read_json_object
 from loraplex.lora.errors import AdapterError, AdapterInvalid, AdapterNotFound
 from loraplex.lora.layout import Layout
 from loraplex.lora.packed import PackedModules
 from loraplex.lora.weights import LoraWeights
 from loraplex.lora.patterns import MatchBudget, UserPattern
-from loraplex.safetensors_check import SafetensorsHeaderError, read_header
+from loraplex.checkpoints.safetensors_header import SafetensorsHeaderError, read_header
 
 __all__ = ["AdapterError", "AdapterInvalid", "AdapterNotFound", "LoraAdapter", "LoraConfig", "LoraWeights"]
 

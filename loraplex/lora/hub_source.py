@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from loraplex.lora.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterNotFound
-from loraplex.weights import hub_offline
+from loraplex.checkpoints.sources import hub_offline
 
 log = logging.getLogger(__name__)
 

@@ -14,12 +14,13 @@ import random
 import pytest
 import torch
 
-from loraplex.models.registry import config_from_hf
+from loraplex.checkpoints.sources import resolve_model
+from loraplex.checkpoints.weights import load_state_dict
 from loraplex.engine.loading import build_model
 from loraplex.lora.layers import LoraSlots
+from loraplex.models.registry import config_from_hf
 from loraplex.params import SamplingParams
 from loraplex.quantization import is_quantized, quantize_model, weight_bytes
-from loraplex.weights import load_state_dict, resolve_model
 from tests.helpers import engine_for, full_logits, tiny_hf_model
 from tests.lora.peft_helpers import ALL_PROJECTIONS, peft_model, save_and_load
 

@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 import torch
 
+from loraplex.checkpoints.sources import resolve_model
+from loraplex.checkpoints.weights import WeightsError, load_state_dict
 from loraplex.config import ModelConfig
-from loraplex.models.registry import config_from_hf
 from loraplex.engine.loading import build_model
 from loraplex.engine.request import Request
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.scheduler import ScheduledRequest
 from loraplex.layers.forward_context import ForwardContext, forward_context
+from loraplex.models.registry import config_from_hf
 from loraplex.params import SamplingParams
-from loraplex.weights import WeightsError, load_state_dict, resolve_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,9 +13,9 @@ import torch
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.images import ImageInputs
-from loraplex.mllama_example import EXAMPLE_MLLAMA_MODEL_ID, example_mllama_dir
+from loraplex.example_models.mllama import EXAMPLE_MLLAMA_MODEL_ID, example_mllama_dir
+from loraplex.example_models.vision import make_shape_image
 from loraplex.params import SamplingParams
-from loraplex.vision_example import make_shape_image
 from tests.helpers import image_model_logits
 from tests.mllama_fixtures import hf_greedy, hf_logits
 

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from loraplex.mllama_example import example_mllama_dir
-from loraplex.vision_example import COLOURS, QUESTIONS, colour_in_answer, generate_answers, make_shape_image
+from loraplex.example_models.mllama import example_mllama_dir
+from loraplex.example_models.vision import COLOURS, QUESTIONS, colour_in_answer, generate_answers, make_shape_image
 
 TEST_SEED = 31_337  # not a training (20251202) or evaluation (4242) seed
 
@@ -77,7 +77,7 @@ def test_text_only_is_smollm2(example):
     """Without a picture transformers skips the cross-attention layers: what is left is SmolLM2."""
     from transformers import AutoModelForCausalLM
 
-    from loraplex.weights import resolve_model
+    from loraplex.checkpoints.sources import resolve_model
 
     model, _, processor = example
     smollm2 = AutoModelForCausalLM.from_pretrained(resolve_model(None).path, dtype=torch.float32).eval()

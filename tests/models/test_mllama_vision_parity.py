@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
+from loraplex.checkpoints.weights import load_into
 from loraplex.models.mllama_vision import (
     VISION_CHECKPOINT_RENAMES,
     MllamaImageEncoder,
     vision_config_from_hf,
 )
-from loraplex.weights import load_into
 
 transformers = pytest.importorskip("transformers")
 

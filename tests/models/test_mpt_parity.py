@@ -2,7 +2,7 @@
 
 - Against transformers' MptForCausalLM (ALiBi, 4 and 6 heads: power-of-two and not, clip_qkv, softmax_scale,
   tied and untied embeddings), loaded the way a user's checkpoint is (save_pretrained -> resolve_model ->
-  ModelConfig.from_hf -> load_state_dict -> build_model): logits through our paged prefill, greedy tokens
+  config_from_hf -> load_state_dict -> build_model): logits through our paged prefill, greedy tokens
   through the engine (decode groups, chunked prefill over cached context, mixed batches, preemption).
 - Variants transformers does not implement (multi-query and grouped-query attention, qk_ln, RMSNorm, biases,
   logit_scale, alibi_bias_max, expansion_ratio, no positions) from MosaicML-form checkpoints written here,
@@ -21,12 +21,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraplex.config import ModelConfig
-from loraplex.models.registry import config_from_hf
+from loraplex.checkpoints.sources import resolve_model
+from loraplex.checkpoints.weights import load_state_dict
 from loraplex.engine.loading import build_model
 from loraplex.layers.alibi import alibi_slopes
+from loraplex.models.registry import config_from_hf
 from loraplex.params import SamplingParams
-from loraplex.weights import load_state_dict, resolve_model
 from tests.helpers import engine_for, full_logits
 
 VOCAB = 128

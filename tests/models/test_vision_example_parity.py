@@ -8,10 +8,11 @@ import random
 import pytest
 import torch
 
-from loraplex.models.registry import config_from_hf
+from loraplex.checkpoints.sources import resolve_model
+from loraplex.checkpoints.weights import load_state_dict
 from loraplex.engine.loading import build_model
-from loraplex.vision_example import example_model_dir, make_shape_image, user_message
-from loraplex.weights import load_state_dict, resolve_model
+from loraplex.example_models.vision import example_model_dir, make_shape_image, user_message
+from loraplex.models.registry import config_from_hf
 from tests.models.test_llava_next_parity import assert_parity
 
 

@@ -23,10 +23,12 @@ import pytest
 import torch
 from torch import nn
 
+from loraplex.checkpoints.sources import resolve_model
+from loraplex.checkpoints.weights import load_state_dict
 from loraplex.config import EngineConfig, ModelConfig
-from loraplex.models.registry import config_from_hf
 from loraplex.engine.loading import build_model, load_model
 from loraplex.lora.layers import LoraLinear, LoraSlots
+from loraplex.models.registry import config_from_hf
 from loraplex.params import SamplingParams
 from loraplex.quantization import (
     QUANTIZE_CHOICES,
@@ -35,11 +37,10 @@ from loraplex.quantization import (
     default_skip,
     dequantized_weight,
     is_quantized,
-    keep_cpu_4bit_packable,
     quantize_model,
     weight_bytes,
 )
-from loraplex.weights import load_state_dict, resolve_model
+from loraplex.quantization.bitsandbytes import keep_cpu_4bit_packable
 from tests.helpers import engine_for, full_logits, tiny_hf_model, tiny_mpt
 from tests.lora.peft_helpers import ALL_PROJECTIONS, peft_model, reference_greedy, reference_logits, save_and_load
 

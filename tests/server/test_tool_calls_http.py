@@ -14,9 +14,9 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from transformers import AutoTokenizer
 
+from loraplex.checkpoints.sources import resolve_model
 from loraplex.protocol.tools.prompt import default_rendering
 from loraplex.tokenizer import Tokenizer
-from loraplex.weights import resolve_model
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 

@@ -13,8 +13,8 @@ import random
 import httpx
 import pytest
 
-from loraplex.mllama_example import EXAMPLE_MLLAMA_MODEL_ID
-from loraplex.vision_example import EXAMPLE_VISION_MODEL_ID, QUESTIONS, colour_in_answer, make_shape_image
+from loraplex.example_models.mllama import EXAMPLE_MLLAMA_MODEL_ID
+from loraplex.example_models.vision import EXAMPLE_VISION_MODEL_ID, QUESTIONS, colour_in_answer, make_shape_image
 from tests.helpers import live_server
 
 HELD_BACK_SEED = 987_654  # training and its evaluation use other seeds

@@ -420,7 +420,7 @@ def test_httproute_sends_openai_requests_through_the_pool():
 
 def test_model_rewrites_name_served_models():
     rewrite = one(inference(), "InferenceModelRewrite")
-    base = re.search(r'DEFAULT_MODEL_ID = "([^"]+)"', (ROOT / "loraplex/weights.py").read_text()).group(1)
+    base = re.search(r'DEFAULT_MODEL_ID = "([^"]+)"', (ROOT / "loraplex/checkpoints/sources.py").read_text()).group(1)
     shipped = {p.name for p in (ROOT / "examples/adapters").iterdir() if p.is_dir()}
     targets = {t["modelRewrite"] for rule in rewrite["spec"]["rules"] for t in rule["targets"]}
     assert base in targets and targets - {base} and targets - {base} <= shipped

@@ -11,9 +11,10 @@ import safetensors
 import torch
 from safetensors.torch import save_file
 
-from loraplex.models.registry import config_from_hf
+from loraplex.checkpoints.sources import resolve_model
+from loraplex.checkpoints.weights import WeightsError, load_state_dict
 from loraplex.engine import loading
-from loraplex.weights import WeightsError, load_state_dict, resolve_model
+from loraplex.models.registry import config_from_hf
 from tests.hostile_safetensors import ENTRY, LIE_PARAMS, craft, nothing_read
 
 LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from loraplex.example_assembly import ADDED_EMBEDDINGS, PARTS_FILE
-from loraplex.mllama_example import (
+from loraplex.checkpoints.sources import resolve_model
+from loraplex.example_models.assembly import ADDED_EMBEDDINGS, PARTS_FILE
+from loraplex.example_models.mllama import (
     EXAMPLE_MLLAMA_MODEL_ID,
     EXTRA_EMBEDDING_ROWS,
     PARTS_DIR,
@@ -21,7 +22,6 @@ from loraplex.mllama_example import (
     example_mllama_dir,
     module_name,
 )
-from loraplex.weights import resolve_model
 
 FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
          "processor_config.json", "chat_template.jinja")
@@ -43,7 +43,7 @@ def tensors_of(path) -> safe_open:
 
 
 def test_directory_is_complete_and_cached(assembled):
-    from loraplex.gguf_convert import cache_dir
+    from loraplex.checkpoints.cache import cache_dir
 
     path, config = assembled
     assert all((path / name).is_file() for name in FILES), sorted(p.name for p in path.iterdir())

@@ -9,10 +9,10 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+from loraplex.checkpoints.sources import resolve_model
 from loraplex.protocol.openai import ChatCompletionRequest
 from loraplex.protocol.tools.prompt import default_rendering, writes_json_calls
 from loraplex.tokenizer import Tokenizer
-from loraplex.weights import resolve_model
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from loraplex.vision_example import (
+from loraplex.example_models.vision import (
     COLOURS,
     PARTS_DIR,
     QUESTIONS,
@@ -48,7 +48,7 @@ def test_assembled_checkpoint_loads_whole(example):
 def test_language_model_is_the_embedded_smollm2(example):
     from safetensors import safe_open
 
-    from loraplex.weights import resolve_model
+    from loraplex.checkpoints.sources import resolve_model
 
     _, model, _, processor = example
     base = resolve_model(None).path
@@ -72,7 +72,7 @@ def test_names_the_colour_of_generated_pictures(example):
 
 
 def test_cache_key_follows_the_parts(tmp_path):
-    from loraplex.weights import resolve_model
+    from loraplex.checkpoints.sources import resolve_model
 
     base = resolve_model(None).path
     parts = tmp_path / "parts"

@@ -1,4 +1,4 @@
-"""loraplex.weights: resolving models, reading safetensors, strict loading, GGUF conversion."""
+"""loraplex.checkpoints: resolving models, reading safetensors, strict loading, GGUF conversion."""
 
 from __future__ import annotations
 
@@ -16,15 +16,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from torch import nn
 
-from loraplex import gguf_convert
-from loraplex.gguf_convert import convert_gguf
-from loraplex.weights import (
-    ModelSource,
-    WeightsError,
-    load_into,
-    load_state_dict,
-    resolve_model,
-)
+from loraplex.checkpoints import gguf as gguf_convert
+from loraplex.checkpoints.gguf import convert_gguf
+from loraplex.checkpoints.sources import resolve_model
+from loraplex.checkpoints.weights import ModelSource, WeightsError, load_into, load_state_dict
 
 
 @pytest.fixture(autouse=True)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from loraplex.environment import direct_launch_enabled
 from loraplex.layers.forward_context import in_graph_warm_up
 
 
@@ -26,7 +26,7 @@ def triton_available(device: torch.device) -> bool:
 
 def direct_launches() -> bool:
     """Whether Triton kernels launch directly (launch.py), as they do unless LORAPLEX_DIRECT_LAUNCH=0."""
-    return os.environ.get("LORAPLEX_DIRECT_LAUNCH", "1") != "0"
+    return direct_launch_enabled()
 
 
 def fused_kernels_wanted(device: torch.device) -> bool:

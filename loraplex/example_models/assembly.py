@@ -1,7 +1,7 @@
 """What the shipped example models have in common: committed parts, a cache key, a cached assembly.
 
-An example model (`loraplex/smollm2-shapes` in `loraplex.vision_example`, `loraplex/smollm2-mllama-shapes`
-in `loraplex.mllama_example`) is the embedded SmolLM2-135M-Instruct plus parts trained in this repo.
+An example model (`loraplex/smollm2-shapes` in `loraplex.example_models.vision`, `loraplex/smollm2-mllama-shapes`
+in `loraplex.example_models.mllama`) is the embedded SmolLM2-135M-Instruct plus parts trained in this repo.
 Only the parts are committed, under `examples/vision/<name>/`: the trained tensors (`PARTS_FILE`,
 named as in the full checkpoint, plus `ADDED_EMBEDDINGS`: rows appended to the token embeddings),
 the added tokenizer entries (`TOKENIZER_ADDITIONS`) and the files copied as they are (`COPIED_FILES`).
@@ -20,12 +20,14 @@ import json
 import os
 import pathlib
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+from loraplex.checkpoints.cache import build_cached_dir, cache_dir, print_to_stderr
+from loraplex.checkpoints.sources import resolve_model
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 PARTS_FILE = "vision_parts.safetensors"  # trained tensors, under their names in the full checkpoint
 ADDED_EMBEDDINGS = "added_embed_tokens"  # in PARTS_FILE: rows appended to the token embeddings
 TOKENIZER_ADDITIONS = "tokenizer_additions.json"  # added_tokens entries appended to SmolLM2's tokenizer.json
@@ -37,10 +39,6 @@ COPIED_FILES = (
     "processor_config.json",
     "chat_template.jinja",
 )
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -78,13 +76,10 @@ class ExampleParts:
     def cached_dir(
         self,
         assemble: Callable[[pathlib.Path, pathlib.Path, pathlib.Path], object],
-        progress: Callable[[str], None] = _stderr,
+        progress: Callable[[str], None] = print_to_stderr,
         parts_dir: str | os.PathLike | None = None,
     ) -> pathlib.Path:
         """The assembled directory: from the cache, or made now by `assemble(out, parts, base)`."""
-        from loraplex.gguf_convert import build_cached_dir, cache_dir
-        from loraplex.weights import resolve_model
-
         parts = self.parts_dir(parts_dir)
         self.files(parts)  # a clear error before the base model is converted
         base = resolve_model(None, progress=progress).path

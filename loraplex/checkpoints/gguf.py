@@ -1,8 +1,8 @@
 """GGUF (llama architecture) -> an HF-format directory, dequantised once and cached.
 
-The converted directory (config.json, float32 model.safetensors, tokenizer files) lives under the user
-cache dir, keyed by the GGUF file's size, mtime and the converter version, and is written to a temp dir
-and renamed, so a crash never leaves half a cache.
+The converted directory (config.json, float32 model.safetensors, tokenizer files) lives under loraplex's
+cache dir, keyed by the GGUF file's size, mtime and the converter version, built as every cache entry is
+(cache.py `build_cached_dir`).
 """
 
 from __future__ import annotations
@@ -12,15 +12,14 @@ import json
 import os
 import pathlib
 import re
-import shutil
-import tempfile
 import time
 import warnings
 from typing import Any, Callable
 
 import torch
 
-from loraplex.weights import WeightsError, _few, _stderr
+from loraplex.checkpoints.cache import build_cached_dir, cache_dir, print_to_stderr
+from loraplex.checkpoints.weights import WeightsError, _few
 
 # Bump whenever the converted output changes: it is part of the GGUF cache key.
 GGUF_CONVERTER_VERSION = "1"
@@ -51,19 +50,6 @@ _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GGUF_IGNORABLE = {"rope_freqs.weight"}
 
 
-def cache_dir() -> pathlib.Path:
-    """loraplex's cache directory: $LORAPLEX_CACHE, else the platform's user cache dir."""
-    if os.environ.get("LORAPLEX_CACHE"):
-        return pathlib.Path(os.environ["LORAPLEX_CACHE"]).expanduser()
-    try:
-        import platformdirs
-
-        return pathlib.Path(platformdirs.user_cache_dir("loraplex"))
-    except ImportError:  # platformdirs is a declared dependency; fall back to the XDG layout without it
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        return pathlib.Path(base) / "loraplex"
-
-
 def gguf_cache_path(gguf_file: str | os.PathLike) -> pathlib.Path:
     """Where the converted copy of `gguf_file` lives: keyed by file size, mtime and converter version."""
     path = pathlib.Path(gguf_file)
@@ -72,43 +58,12 @@ def gguf_cache_path(gguf_file: str | os.PathLike) -> pathlib.Path:
     return cache_dir() / "gguf" / f"{path.stem}-{key}"
 
 
-def convert_gguf(gguf_file: str | os.PathLike, progress: Callable[[str], None] = _stderr) -> pathlib.Path:
+def convert_gguf(gguf_file: str | os.PathLike, progress: Callable[[str], None] = print_to_stderr) -> pathlib.Path:
     """Convert a llama-architecture GGUF file to an HF directory (cached); return the directory."""
     src = pathlib.Path(gguf_file).expanduser().resolve()
     if not src.is_file():
         raise WeightsError(f"{gguf_file}: no such GGUF file")
     return build_cached_dir(gguf_cache_path(src), lambda tmp: _convert_gguf_into(src, tmp, progress))
-
-
-def build_cached_dir(final: pathlib.Path, build: Callable[[pathlib.Path], None]) -> pathlib.Path:
-    """`final`, a cache entry holding a config.json: as it is, or made now by `build(tmp)` into a temporary
-    directory beside it that is then renamed into place (atomic: the entry appears whole or not at all)."""
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temp_dirs(final)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        build(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():  # not a concurrent build that won the race
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-def _remove_stale_temp_dirs(final: pathlib.Path, older_than_s: float = 3600.0) -> None:
-    now = time.time()
-    for stale in final.parent.glob(f".{final.name}.tmp-*"):
-        try:
-            if now - stale.stat().st_mtime > older_than_s:
-                shutil.rmtree(stale, ignore_errors=True)
-        except OSError:
-            pass
 
 
 def _meta(reader: Any, key: str, default: Any = None) -> Any:

@@ -1,17 +1,8 @@
-"""Weight quantization with bitsandbytes: LoRAX's `--quantize bitsandbytes | bitsandbytes-nf4 | bitsandbytes-fp4`.
+"""Weight quantization: a load-time transform of linear layers, one module per mode (`bitsandbytes`: LoRAX's
+`--quantize bitsandbytes | bitsandbytes-nf4 | bitsandbytes-fp4`).
 
-After our model is built and its weights loaded, `quantize_model` swaps its `nn.Linear`s, in place, for
-bitsandbytes' own layers, set up exactly as transformers' `BitsAndBytesConfig` sets them up, so that a model
-quantized here computes what `from_pretrained(..., quantization_config=BitsAndBytesConfig(...))` computes on the
-same checkpoint (the parity tests check it):
-
-    bitsandbytes      BitsAndBytesConfig(load_in_8bit=True): LLM.int8, `Linear8bitLt(has_fp16_weights=False,
-                      threshold=6.0)`; int8 weights with one scale per output row; activations quantized per row,
-                      with the columns holding a value beyond 6.0 (outliers) computed unquantized
-    bitsandbytes-nf4  BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-    bitsandbytes-fp4  bnb_4bit_compute_dtype=<the model's dtype>) (or "fp4"): `Linear4bit`, 4-bit weights in
-                      blocks of 64 with one float32 absmax each (no double quantization, uint8 storage),
-                      dequantized and multiplied in the compute dtype
+After our model is built and its weights loaded, `quantize_model` swaps its `nn.Linear`s, in place, for the
+mode's own layers.
 
 What stays unquantized, as with transformers: the output head (`lm_head`, transformers' default
 `llm_int8_skip_modules`), a linear whose weight is shared with another module (tied), and what a model class
@@ -20,30 +11,27 @@ every `...wo` linear, and anything inside a module named `wo`; T5 lists `wo`, tr
 `_keep_in_fp32_modules`). Everything else is quantized, vision towers included: transformers 5 quantizes
 LLaVA-NeXT's CLIP tower and multi-modal projector too (its skip list holds only the output embedding).
 
-Run it before the LoRA wrappers go on (`load_model` does): `LoraLinear` then wraps the bitsandbytes layers like
+Run it before the LoRA wrappers go on (`load_model` does): `LoraLinear` then wraps the quantized layers like
 any other linear (they are `nn.Linear` subclasses) and adds each adapter's delta, computed in the model's dtype,
 to their output.
 
 Embeddings, norms and the output head keep the model's dtype; `weight_bytes` tells what the weights take.
-LLM.int8's outlier columns are chosen over all rows of a step, so with `bitsandbytes` a request's logits can
-move slightly with what it is batched with (its greedy tokens agree in the tests); the 4-bit modes keep rows
-independent.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import warnings
 from typing import TYPE_CHECKING, Callable
+
+from loraplex.quantization import bitsandbytes as bitsandbytes_mode
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads QUANTIZE_CHOICES without paying for it
     import torch
     from torch import nn
 
-QUANTIZE_CHOICES = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4")
-# transformers' defaults for BitsAndBytesConfig: llm_int8_threshold, and the output embedding it never quantizes.
-INT8_THRESHOLD = 6.0
+QUANTIZE_CHOICES = bitsandbytes_mode.MODES
+# transformers' default for BitsAndBytesConfig: the output embedding it never quantizes.
 ALWAYS_KEPT = ("lm_head",)
 
 
@@ -59,7 +47,7 @@ def check_quantize(mode: str, device: torch.device | str, dtype: torch.dtype | N
     dtype = torch.float32 if dtype is None else dtype
     if mode not in QUANTIZE_CHOICES:
         raise QuantizationError(f"unknown --quantize {mode!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
-    bnb = _bitsandbytes(mode)
+    bnb = _library(mode)
     failure = _probe(mode, str(torch.device(device)), dtype)
     if failure is not None:
         raise QuantizationError(
@@ -68,7 +56,7 @@ def check_quantize(mode: str, device: torch.device | str, dtype: torch.dtype | N
         )
 
 
-def _bitsandbytes(mode: str):
+def _library(mode: str):
     try:
         import bitsandbytes
     except ImportError as exc:
@@ -130,9 +118,9 @@ def quantize_model(
 
     if mode not in QUANTIZE_CHOICES:
         raise QuantizationError(f"unknown --quantize {mode!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
-    bnb = _bitsandbytes(mode)
+    bnb = _library(mode)
     if mode == "bitsandbytes":
-        _quiet_int8_cast_warning()
+        bitsandbytes_mode.quiet_int8_cast_warning()
     device = torch.device(device)
     skip = default_skip(model) if skip is None else skip
     owners: dict[int, int] = {}
@@ -148,61 +136,11 @@ def quantize_model(
         for name in names:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, _quantized(bnb, getattr(parent, child), mode, device, compute_dtype))
+            quantized = bitsandbytes_mode.quantized_linear(bnb, getattr(parent, child), mode, device, compute_dtype)
+            setattr(parent, child, quantized)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the float weights are gone: let free-memory figures (KV sizing) see it
     return len(names)
-
-
-def _quantized(bnb, linear: nn.Linear, mode: str, device: torch.device, compute_dtype: torch.dtype) -> nn.Module:
-    import torch
-    from torch import nn
-
-    has_bias = linear.bias is not None
-    weight = linear.weight.detach()
-    with torch.device("meta"):  # no throwaway initialisation: the weights come next
-        if mode == "bitsandbytes":
-            layer = bnb.nn.Linear8bitLt(
-                linear.in_features, linear.out_features, has_bias, has_fp16_weights=False, threshold=INT8_THRESHOLD
-            )
-        else:
-            layer = bnb.nn.Linear4bit(
-                linear.in_features, linear.out_features, has_bias, compute_dtype=compute_dtype,
-                compress_statistics=False, quant_type=mode.rsplit("-", 1)[1], quant_storage=torch.uint8,
-            )
-    if mode == "bitsandbytes":
-        # What Int8Params does when moved from the CPU (transformers' path), done on the device: the weights may
-        # already be there, and Int8Params quantizes only on a move from the CPU.
-        cb, scb, _ = bnb.functional.int8_vectorwise_quant(weight.to(device=device, dtype=torch.float16).contiguous())
-        layer.weight = bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
-    else:
-        params = bnb.nn.Params4bit(
-            weight, requires_grad=False, blocksize=64, compress_statistics=False,
-            quant_type=layer.weight.quant_type, quant_storage=torch.uint8, module=layer,
-        )
-        layer.weight = params.to(device)  # Params4bit quantizes on its move to a device
-    if has_bias:
-        layer.bias = nn.Parameter(linear.bias.detach().to(device), requires_grad=False)
-    keep_cpu_4bit_packable(layer)
-    return layer.train(linear.training)
-
-
-# bitsandbytes' packed 4-bit CPU kernel (CPUs with AVX512-BF16) repacks a Linear4bit's weight at its first forward
-# and fails unless out_features is a multiple of this and in_features of the quantization block size.
-_CPU_PACK_BLOCK_N = 32
-
-
-def keep_cpu_4bit_packable(module: nn.Module) -> None:
-    """Send the bitsandbytes Linear4bit layers in `module` whose shapes its packed CPU kernel cannot take (tiny
-    or odd sizes) to its generic CPU path: on an AVX512-BF16 CPU they would fail at their first forward."""
-    for layer in module.modules():
-        weight = getattr(layer, "weight", None)
-        state = getattr(weight, "quant_state", None)
-        if not getattr(layer, "support_avx512bf16_for_cpu", False) or state is None:
-            continue
-        out_features, in_features = state.shape
-        if out_features % _CPU_PACK_BLOCK_N or in_features % state.blocksize:
-            layer.support_avx512bf16_for_cpu = False
 
 
 def move_unquantized(model: nn.Module, device: torch.device | str) -> None:
@@ -230,35 +168,21 @@ def move_unquantized(model: nn.Module, device: torch.device | str) -> None:
 
 
 def is_quantized(module: nn.Module) -> bool:
-    """Whether `module` is a bitsandbytes linear (int8 or 4-bit)."""
-    from torch import nn
-
-    return type(module).__module__.startswith("bitsandbytes.") and isinstance(module, nn.Linear)
+    """Whether `module` is a quantized linear (of any mode)."""
+    return bitsandbytes_mode.is_bitsandbytes_linear(module)
 
 
 def dequantized_weight(linear: nn.Linear) -> torch.Tensor:
-    """A linear's weight [out_features, in_features] as floats: its own weight, or a bitsandbytes layer's
-    weight dequantized (what its matmul multiplies by, up to LLM.int8's outlier columns)."""
+    """A linear's weight [out_features, in_features] as floats: its own weight, or a quantized layer's weight
+    dequantized (what its matmul multiplies by, up to LLM.int8's outlier columns)."""
     if not is_quantized(linear):
         return linear.weight
-    import bitsandbytes as bnb
-
-    weight = linear.weight
-    if isinstance(weight, bnb.nn.Int8Params):
-        scb = weight.SCB if weight.SCB is not None else linear.state.SCB
-        return bnb.functional.int8_vectorwise_dequant(weight.data, scb)
-    state = weight.quant_state
-    data = weight.data
-    if getattr(state, "packing_format_for_cpu", False):  # repacked for AVX512-BF16 CPUs at the first forward
-        from bitsandbytes.nn.modules import _convert_weight_packed_for_cpu_inverse
-
-        data, state = _convert_weight_packed_for_cpu_inverse(data.clone(), state)
-    return bnb.functional.dequantize_4bit(data, state)
+    return bitsandbytes_mode.dequantized(linear)
 
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights take on their devices: every parameter and buffer once (tied ones once), plus
-    bitsandbytes' quantization statistics (LLM.int8 row scales, 4-bit block absmax and code)."""
+    the quantized layers' statistics (bitsandbytes: LLM.int8 row scales, 4-bit block absmax and code)."""
     seen: set[int] = set()
     total = 0
 
@@ -271,25 +195,7 @@ def weight_bytes(model: nn.Module) -> int:
     for tensor in [*model.parameters(), *model.buffers()]:
         count(tensor)
     for module in model.modules():
-        if not is_quantized(module):
-            continue
-        weight = module.weight
-        if hasattr(weight, "SCB"):  # int8: one scale per row, on the weight until the first forward, then on .state
-            count(weight.SCB if weight.SCB is not None else module.state.SCB)
-        elif weight.quant_state is not None:  # 4-bit: one absmax per block, and the 16-value code
-            count(weight.quant_state.absmax)
-            count(weight.quant_state.code)
+        if is_quantized(module):
+            for tensor in bitsandbytes_mode.statistics(module):
+                count(tensor)
     return total
-
-
-def _quiet_int8_cast_warning() -> None:
-    """bitsandbytes logs a warning on every LLM.int8 matmul whose input is not float16 (it quantizes activations
-    through float16, as documented above): in a server that is one line per layer per step."""
-    logger = logging.getLogger("bitsandbytes.autograd._functions")
-    if not any(isinstance(f, _DropInt8CastWarning) for f in logger.filters):
-        logger.addFilter(_DropInt8CastWarning())
-
-
-class _DropInt8CastWarning(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("MatMul8bitLt: inputs will be cast from")
