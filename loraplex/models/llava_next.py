@@ -200,26 +200,26 @@ def llava_next_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     strategy, projector_act = full["vision_feature_select_strategy"], full["projector_hidden_act"]
 
     require("vision_config.model_type", vision.get("model_type"), vision.get("model_type") == "clip_vision_model",
-           "supported: clip_vision_model")
+            "supported: clip_vision_model")
     require("vision_config.image_size", image_size, image_size % vision["patch_size"] == 0,
-           f"not a multiple of patch_size {vision['patch_size']}")
+            f"not a multiple of patch_size {vision['patch_size']}")
     require("vision_config.num_attention_heads", vision["num_attention_heads"],
-           vision["hidden_size"] % vision["num_attention_heads"] == 0, "does not divide hidden_size")
+            vision["hidden_size"] % vision["num_attention_heads"] == 0, "does not divide hidden_size")
     require("vision_config.hidden_act", vision["hidden_act"], vision["hidden_act"] in VISION_ACTIVATIONS,
-           f"supported: {', '.join(VISION_ACTIVATIONS)}")
+            f"supported: {', '.join(VISION_ACTIVATIONS)}")
     require("projector_hidden_act", projector_act, projector_act in VISION_ACTIVATIONS,
-           f"supported: {', '.join(VISION_ACTIVATIONS)}")
+            f"supported: {', '.join(VISION_ACTIVATIONS)}")
     # "full" keeps CLIP's CLS token, which has no place in the any-resolution grid (transformers fails on it).
     require("vision_feature_select_strategy", strategy, strategy == "default",
-           "a CLIP tower has a CLS token; supported: default")
+            "a CLIP tower has a CLS token; supported: default")
     require("vision_feature_layer", layer,
-           bool(layers) and all(isinstance(i, int) and -num_layers - 1 <= i <= num_layers for i in layers),
-           f"each must index the {num_layers + 1} hidden states of the tower")
+            bool(layers) and all(isinstance(i, int) and -num_layers - 1 <= i <= num_layers for i in layers),
+            f"each must index the {num_layers + 1} hidden states of the tower")
     require("image_grid_pinpoints", full.get("image_grid_pinpoints"),
-           bool(pinpoints) and all(len(p) == 2 and all(_positive_multiple(x, image_size) for x in p) for p in pinpoints),
-           f"need (height, width) pairs, each a positive multiple of vision_config.image_size {image_size}")
+            bool(pinpoints) and all(len(p) == 2 and all(_positive_multiple(x, image_size) for x in p) for p in pinpoints),
+            f"need (height, width) pairs, each a positive multiple of vision_config.image_size {image_size}")
     require("image_token_id", token, isinstance(token, int) and 0 <= token < text["vocab_size"],
-           f"not a token of the {text['vocab_size']}-token vocabulary")
+            f"not a token of the {text['vocab_size']}-token vocabulary")
 
     base = normalised(llama_config_from_hf, text)
     # transformers 5 writes and obeys the top-level flag; transformers 4 obeyed the text config's.

@@ -182,10 +182,10 @@ def mllama_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     cross = tuple(text.get("cross_attention_layers") or ())
     token = hf.get("image_token_index", full.get("image_token_index"))
     require("text_config.cross_attention_layers", cross,
-           all(isinstance(i, int) and 0 <= i < layers for i in cross) and len(set(cross)) == len(cross),
-           f"each must index the {layers} text layers once")
+            all(isinstance(i, int) and 0 <= i < layers for i in cross) and len(set(cross)) == len(cross),
+            f"each must index the {layers} text layers once")
     require("image_token_index", token, isinstance(token, int) and vocab <= token < vocab + 8,
-           f"the embedding's extra rows are ids {vocab}..{vocab + 7}")
+            f"the embedding's extra rows are ids {vocab}..{vocab + 7}")
     base = normalised(llama_config_from_hf, {**text, "model_type": "llama"})
     tie = hf["tie_word_embeddings"] if "tie_word_embeddings" in hf else base.tie_word_embeddings
     require("tie_word_embeddings", tie, not tie, "the embedding has 8 rows more than the head")

@@ -147,10 +147,10 @@ def mpt_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     alibi = bool(attn.get("alibi", True))
 
     require("learned_pos_emb", hf.get("learned_pos_emb"), alibi or not hf.get("learned_pos_emb", True),
-           "learned positional embeddings without ALiBi are not supported")
+            "learned positional embeddings without ALiBi are not supported")
     require("attn_config.prefix_lm", attn.get("prefix_lm"), not attn.get("prefix_lm"), "prefix-LM attention is not supported")
     require("attn_config.attn_uses_sequence_id", attn.get("attn_uses_sequence_id"),
-           not attn.get("attn_uses_sequence_id"), "sequence-id attention masking is not supported")
+            not attn.get("attn_uses_sequence_id"), "sequence-id attention masking is not supported")
     require("attn_config.rope", attn.get("rope"), not attn.get("rope"), "rotary embeddings in MPT are not supported")
     require("attn_config.qk_gn", attn.get("qk_gn"), not attn.get("qk_gn"), "q/k GroupNorm is not supported")
     window = attn.get("sliding_window_size", -1)
@@ -159,8 +159,8 @@ def mpt_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     require("ffn_config.ffn_type", ffn_type, ffn_type == "mptmlp", "supported: mptmlp (MoE and GLU FFNs are not)")
     act = ffn.get("ffn_act_fn")
     require("ffn_config.ffn_act_fn", act,
-           act is None or (isinstance(act, dict) and act.get("name") == "gelu" and act.get("approximate", "none") == "none"),
-           "supported: exact GELU")
+            act is None or (isinstance(act, dict) and act.get("name") == "gelu" and act.get("approximate", "none") == "none"),
+            "supported: exact GELU")
     require("block_overrides", hf.get("block_overrides"), not hf.get("block_overrides"), "per-block overrides are not supported")
     require("d_model", d_model, d_model % n_heads == 0, f"not a multiple of n_heads {n_heads}")
 
@@ -172,8 +172,8 @@ def mpt_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     elif attn_type == "grouped_query_attention":
         kv_heads = attn.get("kv_n_heads")
         require("attn_config.kv_n_heads", kv_heads,
-               isinstance(kv_heads, int) and 0 < kv_heads <= n_heads and n_heads % kv_heads == 0,
-               f"must divide n_heads {n_heads}")
+                isinstance(kv_heads, int) and 0 < kv_heads <= n_heads and n_heads % kv_heads == 0,
+                f"must divide n_heads {n_heads}")
     else:
         raise ValueError(f"unsupported attn_config.attn_type {attn_type!r}: supported: multihead_attention, "
                          "multiquery_attention, grouped_query_attention")
@@ -185,7 +185,7 @@ def mpt_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if logit_scale == "inv_sqrt_d_model":
         logit_scale = 1 / math.sqrt(d_model)
     require("logit_scale", logit_scale, logit_scale is None or isinstance(logit_scale, (int, float)),
-           "a number or 'inv_sqrt_d_model'")
+            "a number or 'inv_sqrt_d_model'")
     clip = attn.get("clip_qkv")
     require("attn_config.clip_qkv", clip, clip is None or (isinstance(clip, (int, float)) and clip >= 0), "a number >= 0")
     # transformers' MptForCausalLM builds a 4 * d_model MLP whatever expansion_ratio says, so checkpoints it

@@ -248,7 +248,7 @@ def t5_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     proj = hf.get("feed_forward_proj", "relu")
     parts = proj.split("-") if isinstance(proj, str) else []
     require("feed_forward_proj", proj, len(parts) in (1, 2) and (len(parts) == 1 or parts[0] == "gated"),
-           "expected ACT or gated-ACT")
+            "expected ACT or gated-ACT")
     act = "gelu_new" if proj == "gated-gelu" else parts[-1]  # transformers reads "gated-gelu" as gelu_new
     require("feed_forward_proj", proj, act in SUPPORTED_ACTIVATIONS, f"supported activations: {', '.join(SUPPORTED_ACTIVATIONS)}")
     d_model, heads, d_kv = hf["d_model"], hf["num_heads"], hf["d_kv"]
