@@ -194,7 +194,7 @@ def _load_engine(args: argparse.Namespace, show_progress: bool = False, log=None
         engine = Engine.from_config(_engine_config(args), show_progress=show_progress, log=log)
     except (WeightsError, QuantizationError) as exc:
         raise UsageError(str(exc)) from exc
-    except ValueError as exc:  # the model's config names something we do not serve (ModelConfig.from_hf)
+    except ValueError as exc:  # the model's config names something we do not serve (models/registry.py config_from_hf)
         raise UsageError(f"cannot serve {args.model_id or 'the default model'}: {exc}") from exc
     if engine.warms_up:
         report = engine.warm_up()

@@ -116,7 +116,7 @@ def load_state_dict(
 
 
 def checked_header(file: pathlib.Path) -> dict[str, TensorHeader]:
-    """The tensors a safetensors file holds, its header checked (`safetensors_check`): a lying one is a WeightsError."""
+    """The tensors a safetensors file holds, its header checked (`safetensors_header`): a lying one is a WeightsError."""
     try:
         return read_header(file)
     except SafetensorsHeaderError as exc:
