@@ -24,6 +24,7 @@ from torch import nn
 
 from loraplex.layers.forward_context import AttentionMetadata, get_forward_context
 from loraplex.layers.kernels import fused_kernels_wanted
+from loraplex.layers.masks import visible_keys
 
 
 class AttentionBackend(Protocol):
@@ -300,17 +301,6 @@ class TorchAttentionBackend:
                 mask = _biased_mask(bias, visible[None, None], q.dtype)
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
         return out[0].transpose(0, 1)
-
-
-def visible_keys(num_new: int, seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """[num_new, seq_len] bool: which keys the last `num_new` positions of a sequence of `seq_len` see (those at or
-    before each, at most `window` of them)."""
-    q_pos = torch.arange(seq_len - num_new, seq_len, device=device)[:, None]
-    k_pos = torch.arange(seq_len, device=device)[None, :]
-    visible = k_pos <= q_pos
-    if window is not None:
-        visible &= k_pos > q_pos - window
-    return visible
 
 
 def _step_bias(layer, md: AttentionMetadata, key: tuple, distance) -> torch.Tensor:
