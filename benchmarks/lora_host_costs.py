@@ -3,7 +3,7 @@ benchmarks.lora_host_costs`. On CUDA (the tile kernels are Triton; elsewhere onl
 
 - A sibling call (q/k/v of one layer): the tile kernels' launch pair (`sgmv.add_lora_tiles_siblings`) against a
   matmul pair per module (`add_lora`), for one adapter and for eight, at 256 to 4,096 rows; the tile kernels both
-  launched directly (`layers/kernels/launch.py`, the default) and through Triton's own path. Back-to-back calls
+  launched directly (`kernels/launch.py`, the default) and through Triton's own path. Back-to-back calls
   with no synchronisation: a figure is the host's cost per call where the host is the slower side, the GPU's
   where the GPU is.
 - An install of a rank-16 adapter on all seven projections of 30 layers (210 modules): the upload from the

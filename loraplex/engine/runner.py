@@ -34,7 +34,7 @@ from loraplex.layers.forward_context import (
     forward_context,
     lora_segments,
 )
-from loraplex.layers.kernels import triton_available
+from loraplex.kernels import triton_available
 from loraplex.layers.projections import fuse_projections
 from loraplex.lora.kernels.tiles import lora_tiles
 from loraplex.lora.layers import LoraSlots

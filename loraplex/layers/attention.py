@@ -464,7 +464,7 @@ def default_backend(device: torch.device) -> AttentionBackend:
     torch reference elsewhere, or when LORAPLEX_ATTENTION_BACKEND=torch. Outside a graph a kernel call costs more
     host time than the torch decode (python -m benchmarks.paged_decode --op-only on the H200: 0.69x for one row of
     1024, 1.95x at 32 rows x 4096), which CUDA graphs remove."""
-    from loraplex.layers.kernels import triton_available
+    from loraplex.kernels import triton_available
 
     if not triton_available(device) or os.environ.get("LORAPLEX_ATTENTION_BACKEND", "triton") == "torch":
         return TorchAttentionBackend()

@@ -2,31 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
+from loraplex.kernels import direct_launches, triton_available
 from loraplex.layers.forward_context import in_graph_warm_up
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def triton_available(device: torch.device) -> bool:
-    """Whether Triton kernels can run on `device` (CUDA with Triton installed)."""
-    return device.type == "cuda" and _triton_importable()
-
-
-def direct_launches() -> bool:
-    """Whether Triton kernels launch directly (launch.py), as they do unless LORAPLEX_DIRECT_LAUNCH=0."""
-    return os.environ.get("LORAPLEX_DIRECT_LAUNCH", "1") != "0"
 
 
 def fused_kernels_wanted(device: torch.device) -> bool:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.layers.kernels.launch import Launcher
+from loraplex.kernels.launch import Launcher
 from loraplex.lora.kernels.rows import SiblingLaunch, SlotPointers, sibling_launch, sibling_launch_at
 
 # Launch shapes from a sweep on the H200 at Llama-8B's shapes (64 rows over 64 adapters and 32 over 8): the

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.layers.kernels.launch import Launcher
+from loraplex.kernels.launch import Launcher
 from loraplex.layers.forward_context import LoraTiles
 from loraplex.lora.kernels.bgmv import _pick
 from loraplex.lora.kernels.rows import SlotPointers, sibling_launch

@@ -26,7 +26,7 @@ from triton import knobs
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction
 
-from loraplex.layers.kernels import direct_launches
+from loraplex.kernels import direct_launches
 
 try:  # Triton's own specialisation of one argument (C++); absent from older releases
     from triton._C.libtriton import native_specialize_impl
