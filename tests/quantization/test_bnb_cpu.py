@@ -25,7 +25,8 @@ from torch import nn
 
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.loading import build_model, load_model
-from loraplex.lora.layers import LoraLinear, LoraSlots
+from loraplex.lora.layers import LoraLinear
+from loraplex.lora.table import AdapterTable
 from loraplex.params import SamplingParams
 from loraplex.quantization import (
     QUANTIZE_CHOICES,
@@ -229,7 +230,7 @@ def test_lora_on_quantized_model_bfloat16(saved, tmp_path, mode):
     ours, config = ours_from_dir(path, torch.bfloat16, mode)
     reference = hf_quantized(path, mode, torch.bfloat16)
     trained = peft_model(reference, seed=7, r=8, lora_alpha=16, target_modules=targets)
-    shapes = LoraSlots(ours, 1, torch.device("cpu"), torch.bfloat16).base_shapes
+    shapes = AdapterTable(ours, 1, torch.device("cpu"), torch.bfloat16).base_shapes
     adapter = save_and_load(trained, tmp_path, "a", shapes)
     want = reference_logits(trained, PROMPT)
     got = full_logits(ours, config, PROMPT, adapter=adapter)
