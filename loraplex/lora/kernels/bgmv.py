@@ -26,10 +26,10 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels.launch import Launcher
-from loraplex.lora.kernels.rows import SiblingLaunch, PointerTable, sibling_launch, sibling_launch_at
+from loraplex.lora.kernels.rows import PointerTable, SiblingLaunch, sibling_launch, sibling_launch_at
 
-# Launch shapes from a sweep on the H200 at Llama-8B's shapes (64 rows over 64 adapters and 32 over 8): the
-# kernels are short, so many small programs (eight per SM for the shrink) beat a few long ones.
+# Launch shapes from a sweep at Llama-8B's shapes (many rows over many adapters, and few over few): the kernels are
+# short, so many small programs (eight per SM for the shrink) beat a few long ones.
 BLOCK_K = 128  # input features per shrink iteration
 SHRINK_WARPS = 8
 BLOCK_N = 128  # output features per expand program
