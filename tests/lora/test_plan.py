@@ -66,11 +66,22 @@ def test_apply_adds_each_rows_own_adapter_delta():
         assert torch.equal(got[0], base[0])
 
 
-def test_lora_kernels_import_nothing_from_layers():
-    offences = []
-    for path in (ROOT / "lora" / "kernels").rglob("*.py"):
+def loraplex_imports(package: pathlib.Path) -> list[tuple[str, str]]:
+    """(file, module) for each loraplex module the files under `package` import."""
+    found = []
+    for path in package.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
-            offences += [f"{path.name}: {n}" for n in names if n.startswith("loraplex.layers")]
+            found += [(path.name, n) for n in names if n.startswith("loraplex.")]
+    return found
+
+
+def test_lora_kernels_import_nothing_from_layers():
+    offences = [(f, n) for f, n in loraplex_imports(ROOT / "lora" / "kernels") if n.startswith("loraplex.layers")]
+    assert not offences, offences
+
+
+def test_the_shared_kernel_helpers_import_nothing_else_of_loraplex():
+    offences = [(f, n) for f, n in loraplex_imports(ROOT / "kernels") if not n.startswith("loraplex.kernels")]
     assert not offences, offences
