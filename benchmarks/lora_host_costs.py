@@ -3,11 +3,11 @@ benchmarks.lora_host_costs`. On CUDA (the tile kernels are Triton; elsewhere onl
 
 - A sibling call (q/k/v of one layer): the tile kernels' launch pair (`sgmv.add_lora_tiles_siblings`) against a
   matmul pair per module (`add_lora`), for one adapter and for eight, at 256 to 4,096 rows; the tile kernels both
-  launched directly (`layers/kernels/launch.py`, the default) and through Triton's own path. Back-to-back calls
+  launched directly (`kernels/launch.py`, the default) and through Triton's own path. Back-to-back calls
   with no synchronisation: a figure is the host's cost per call where the host is the slower side, the GPU's
   where the GPU is.
 - An install of a rank-16 adapter on all seven projections of 30 layers (210 modules): the upload from the
-  adapter's flat buffer, pointing a slot at it from its layout (`SlotPointers.set_slot_uploaded`) against from
+  adapter's flat buffer, pointing a slot at it from its layout (`PointerTable.set_slot_uploaded`) against from
   per-module views (`set_slot`), and the 420 views themselves (made only where a segment form asks for them).
 """
 
@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from loraplex.layers.forward_context import LoraSegment
+from loraplex.lora.row_maps import LoraSegment
 from loraplex.lora.adapter import LoraAdapter, LoraConfig, LoraWeights
-from loraplex.lora.kernels import SlotPointers, add_lora
+from loraplex.lora.kernels import PointerTable, add_lora
 from loraplex.lora.kernels.tiles import lora_tiles
 from loraplex.lora.upload import AdapterUploader, laid_out
 
@@ -66,7 +66,7 @@ def sibling_calls(device: torch.device) -> None:
     weights = {name: [laid_out(LoraWeights(torch.randn(RANK, HIDDEN, generator=g, device=device).to(DTYPE),
                                            torch.randn(width, RANK, generator=g, device=device).to(DTYPE), 2.0))
                       for _ in range(slots)] for name, width in QKV.items()}
-    tables = SlotPointers(list(QKV), slots, device)
+    tables = PointerTable(list(QKV), slots, device)
     for slot in range(slots):
         tables.set_slot(slot, {name: weights[name][slot] for name in QKV})
     print("q/k/v LoRA of one layer, per call (us):")
@@ -98,7 +98,7 @@ def installs(device: torch.device) -> None:
                for layer in range(LAYERS) for name, (n_in, n_out) in PROJECTIONS.items()}
     adapter = LoraAdapter("bench", modules, LoraConfig(r=RANK, lora_alpha=2 * RANK)).packed()  # float32, as loaded
     uploader = AdapterUploader(device, DTYPE)
-    tables = SlotPointers(list(modules), 128, device)
+    tables = PointerTable(list(modules), 128, device)
     uploaded = uploader.upload(adapter.modules, adapter.flat, adapter.layout)
     views = uploaded.weights()
     print(f"\nan install of {len(modules)} modules ({adapter.flat.numel() * 2 / 1e6:.1f} MB in {DTYPE}), per call (us):")

@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from loraplex.layers.forward_context import LoraSegment
+from loraplex.lora.row_maps import LoraSegment
 from loraplex.lora.adapter import LoraWeights
 from loraplex.lora.kernels import add_lora, add_lora_stacked
-from loraplex.lora.layers import Stack
+from loraplex.lora.table import Stack
 
 # (name, in_features, out_features): Llama-3.1-8B's projections and SmolLM2-135M's.
 SHAPES = {

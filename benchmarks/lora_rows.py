@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.lora.adapter import LoraWeights
-from loraplex.lora.kernels import SlotPointers
+from loraplex.lora.kernels import PointerTable
 from loraplex.lora.upload import laid_out
 
 CASES = [(1, 1), (32, 8), (64, 64)]  # (rows, distinct adapters)
@@ -33,7 +33,7 @@ def main() -> None:
     device, dtype = torch.device("cuda"), torch.bfloat16
     for rows, distinct in CASES:
         for in_features, out_features in SHAPES:
-            tables = SlotPointers(["layer"], distinct, device)
+            tables = PointerTable(["layer"], distinct, device)
             weights = [laid_out(LoraWeights(torch.randn(RANK, in_features, device=device, dtype=dtype) * 0.01,
                                             torch.randn(out_features, RANK, device=device, dtype=dtype), 2.0))
                        for _ in range(distinct)]

@@ -16,7 +16,7 @@ import torch
 
 from loraplex.lora.adapter import LoraWeights
 from loraplex.lora.beside import shrink_beside
-from loraplex.lora.kernels import SlotPointers
+from loraplex.lora.kernels import PointerTable
 
 HIDDEN, KV, FFN, RANK, ROWS, LAYERS, ADAPTERS = 4096, 1024, 14336, 16, 64, 32, 64
 # (group, input features, its layers' widths): one product each
@@ -34,7 +34,7 @@ def build(device: torch.device, dtype: torch.dtype):
     layers = []
     for layer in range(LAYERS):
         weights = {g: torch.randn(sum(widths), n_in, device=device, dtype=dtype) * 0.01 for g, n_in, widths in GROUPS}
-        tables = SlotPointers([name for name, _, _ in modules], ADAPTERS, device)
+        tables = PointerTable([name for name, _, _ in modules], ADAPTERS, device)
         for slot, buffer in enumerate(buffers):
             at, views = layer * per_layer, {}
             for name, n_in, width in modules:  # A [r, in], then B.T [r, out]

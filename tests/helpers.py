@@ -20,10 +20,12 @@ from loraplex.engine.loading import LoadedModel, build_model
 from loraplex.engine.request import Request
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.scheduler import ScheduledRequest
-from loraplex.layers.forward_context import ForwardContext, LoraRows, LoraSegment, forward_context
+from loraplex.layers.forward_context import ForwardContext, forward_context
 from loraplex.lora.adapter import LoraAdapter
-from loraplex.lora.layers import LoraSlots
 from loraplex.models.registry import config_from_hf
+from loraplex.lora.plan import LoraPlan
+from loraplex.lora.row_maps import LoraSegment
+from loraplex.lora.table import AdapterTable
 from loraplex.params import SamplingParams
 
 
@@ -69,16 +71,16 @@ def engine_for(model, config: ModelConfig, tokenizer=None, device: str = "cpu", 
     return Engine(loaded, EngineConfig(**engine_kw))
 
 
-def _all_rows_on(adapter: LoraAdapter | None, model, rows: int, encoder_rows: int, device: str, dtype) -> LoraRows | None:
+def _all_rows_on(adapter: LoraAdapter | None, model, rows: int, encoder_rows: int, device: str, dtype) -> LoraPlan | None:
     """Every row of every kind on `adapter`, from a one-slot table of its own (None: no adapter). The model's
     LoRA wrappers hold no adapter state, so nothing outlives the call."""
     if adapter is None:
         return None
-    slots = LoraSlots(model, 1, torch.device(device), dtype)
+    slots = AdapterTable(model, 1, torch.device(device), dtype)
     slots.install(0, adapter)
     segment = [LoraSegment(0, 0, rows)]
     encoder = [LoraSegment(0, 0, encoder_rows)] if encoder_rows else []
-    return LoraRows(tokens=segment, logits=segment, weights=slots.tables, encoder=encoder, dtype=dtype)
+    return LoraPlan(tokens=segment, logits=segment, weights=slots.columns, encoder=encoder, dtype=dtype)
 
 
 @torch.inference_mode()

@@ -34,15 +34,9 @@ import torch
 from torch import nn
 
 from loraplex.engine.graph_inputs import StagedInputs
-from loraplex.layers.forward_context import (
-    AttentionMetadata,
-    DecodeGroup,
-    ForwardContext,
-    LoraRows,
-    LoraRowSlots,
-    forward_context,
-)
-from loraplex.lora.layers import LoraSlots
+from loraplex.layers.forward_context import AttentionMetadata, DecodeGroup, ForwardContext, forward_context
+from loraplex.lora.plan import per_row_plan
+from loraplex.lora.table import AdapterTable
 from loraplex.sampling import greedy_picks
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -55,7 +49,7 @@ _STAGED = _INDEX + 1
 
 class DecodeGraphs:
     def __init__(
-        self, model: nn.Module, backend, kv_caches: list, lora: LoraSlots | None, max_batch: int, max_seq_len: int,
+        self, model: nn.Module, backend, kv_caches: list, lora: AdapterTable | None, max_batch: int, max_seq_len: int,
         block_size: int, scratch_block: int, device: torch.device,
     ) -> None:
         self.model, self.backend, self.kv_caches, self.lora = model, backend, kv_caches, lora
@@ -127,11 +121,7 @@ class DecodeGraphs:
             slot_mapping=static[_SLOTS, :bucket], block_tables=self._tables[:bucket],
             seq_lens=[], query_start_loc=list(range(bucket + 1)), decode_groups=[group], prefill_seqs=[],
         )  # seq_lens: the graph's lengths live on the device only (the decode group's)
-        lora = None
-        if layers is not None:
-            per_row = LoraRowSlots(static[_ADAPTERS, :bucket], self.lora.pointers, layers, self.lora.max_rank)
-            lora = LoraRows(tokens=[], logits=[], weights=self.lora.tables, dtype=self.lora.dtype,
-                            row_slots={"tokens": per_row, "logits": per_row})
+        lora = per_row_plan(self.lora, static[_ADAPTERS, :bucket], layers) if layers is not None else None
         return ForwardContext(md, self.kv_caches, self.backend, lora)
 
     def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:

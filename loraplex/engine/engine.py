@@ -33,7 +33,7 @@ from loraplex.engine.speculative import SpecDecodeCounters, drafts_for
 from loraplex.engine.verification import SampledToken
 from loraplex.engine.warm_up import WarmUpReport, warm_up
 from loraplex.lora.adapter import LoraAdapter
-from loraplex.lora.layers import LoraSlots
+from loraplex.lora.table import AdapterTable
 from loraplex.params import GrammarSpec, SamplingParams, TokenInfo
 from loraplex.structured import GrammarError, GrammarLimits, Grammars, GrammarTooCostly, advance
 from loraplex.tokenizer import IncrementalDetokenizer, find_stop
@@ -101,7 +101,7 @@ class Engine:
                 prefix_caching=config.prefix_caching,
             )
         )
-        self.lora = LoraSlots(loaded.model, config.max_active_adapters, loaded.device, loaded.dtype, config.max_lora_rank)
+        self.lora = AdapterTable(loaded.model, config.max_active_adapters, loaded.device, loaded.dtype, config.max_lora_rank)
         # Adapters of the requests in the engine, with how many requests use each.
         self._adapters: dict[str, tuple[LoraAdapter, int]] = {}
         mc = loaded.config

@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.layers.forward_context import lora_segments
-
 if TYPE_CHECKING:
     from loraplex.engine.image_states import ImageStateLayout
 
@@ -129,7 +127,7 @@ def step_input_embeds(
     scheduled chunk reaches a placeholder (then the model embeds the tokens itself).
 
     Requests that need features they do not have are encoded together, in `scheduled` order (sorted by
-    adapter slot), with each request's image tiles mapped to its own adapter (`lora.patches`).
+    adapter slot), with each request's image tiles mapped to its own adapter (the LoRA plan's `patches`).
     """
     chunks = []  # (row of the chunk's first token, request, first and last feature row it needs)
     for s, item in enumerate(scheduled):
@@ -162,7 +160,7 @@ def _encode_missing(requests, model, features: ImageFeatures, lora) -> None:
         for r in todo:
             per_request.append(sum(tiles[i : i + r.images.num_images]))
             i += r.images.num_images
-        lora.patches = lora_segments([r.adapter_slot for r in todo], per_request)
+        lora.set_rows("patches", [r.adapter_slot for r in todo], per_request)
     weight = next(model.parameters())
     started = time.perf_counter()
     encoded = model.encode_images(pixel_values.to(weight.device, weight.dtype), sizes)

@@ -28,23 +28,14 @@ from loraplex.layers.forward_context import (
     DecodeGroup,
     EncoderMetadata,
     ForwardContext,
-    LoraRows,
-    LoraRowSlots,
-    LoraSegment,
     forward_context,
-    lora_segments,
 )
-from loraplex.layers.kernels import triton_available
+from loraplex.kernels import triton_available
 from loraplex.layers.projections import fuse_projections
-from loraplex.lora.kernels.tiles import lora_tiles
-from loraplex.lora.layers import LoraSlots
+from loraplex.lora.plan import STACKED_ROWS_PER_SEGMENT, LoraPlan, LoraPlanner
+from loraplex.lora.table import AdapterTable
 from loraplex.sampling import Sampler, takes_plain_argmax, token_logprobs
 
-# Steps whose adapter segments have at most this many rows each use the stacked LoRA form (each
-# adapter's rows padded to the longest segment, two batched matmuls per module). On a GPU each small
-# matmul of the segmented form costs a launch; on a CPU, a Python call and a small BLAS call.
-# `python -m benchmarks.lora_kernels` measures both forms.
-STACKED_ROWS_PER_SEGMENT = {"cuda": 64, "cpu": 16}
 NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request"
 
 
@@ -124,7 +115,7 @@ def group_by_length(
 
 def _row_order(scheduled: list[ScheduledRequest]) -> list[int]:
     """The step's rows: sequences of one adapter side by side, so that each adapter's rows form one segment (see
-    LoraRows). Row i is scheduled[order[i]]."""
+    LoraPlan). Row i is scheduled[order[i]]."""
     return sorted(range(len(scheduled)), key=lambda i: -1 if scheduled[i].request.adapter_slot is None
                   else scheduled[i].request.adapter_slot)
 
@@ -157,7 +148,7 @@ class ModelRunner:
     def __init__(
         self, model: nn.Module, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
         block_size: int, device: torch.device, dtype: torch.dtype, backend: AttentionBackend | None = None,
-        lora: LoraSlots | None = None, forced_tokens: ForcedTokens | None = None, num_state_blocks: int = 0,
+        lora: AdapterTable | None = None, forced_tokens: ForcedTokens | None = None, num_state_blocks: int = 0,
         graphs: GraphSettings | None = None,
     ) -> None:
         self.model = model
@@ -204,8 +195,7 @@ class ModelRunner:
             if graphed else None
         )
         self._host_picks = HostPicks(self.decode_graphs.max_batch) if graphed else None
-        # On CUDA, the rows of several adapters take the tile kernels rather than the stacked or segmented forms.
-        self.per_row_lora = lora is not None and triton_available(device)
+        self.lora_planner = LoraPlanner(lora, device)  # each step's LoRA plan (lora/plan.py)
 
     @property
     def takes_images(self) -> bool:
@@ -285,11 +275,10 @@ class ModelRunner:
         batch = self._build_batch(scheduled, input_tokens)
         slots = [item.request.adapter_slot for item in scheduled]
         starts = batch.metadata.query_start_loc
-        lora = self._lora_rows(slots, [starts[i + 1] - starts[i] for i in range(len(slots))])
-        if lora is not None and batch.encoding:  # encoder rows (and the states made from them) by request
-            lora.encoder = lora_segments(
-                [slots[i] for i in batch.encoding], [scheduled[i].request.num_states for i in batch.encoding]
-            )
+        lora = self.lora_planner.plan(
+            slots, [starts[i + 1] - starts[i] for i in range(len(slots))], self.stacked_rows_per_segment,
+            [slots[i] for i in batch.encoding], [scheduled[i].request.num_states for i in batch.encoding],
+        )
         ctx = ForwardContext(batch.metadata, self.kv_caches, self.backend, lora)
         results = [StepResult() for _ in scheduled]
         sample_seqs = [i for i, s in enumerate(scheduled) if s.completes_sequence]
@@ -338,13 +327,14 @@ class ModelRunner:
 
     def _sample(
         self, scheduled: list[ScheduledRequest], seqs: list[int], hidden: torch.Tensor, starts: list[int],
-        lora: LoraRows | None, results: list[StepResult], masks: PendingMasks | None = None,
+        lora: LoraPlan | None, results: list[StepResult], masks: PendingMasks | None = None,
     ) -> None:
         """The next token of each sequence of `seqs`, from its last row; a sequence with k drafts has its last
         k + 1 rows sampled and keeps the tokens verification accepts (verification.py)."""
         counts = [scheduled[i].num_drafts + 1 for i in seqs]
         rows = [row for i, c in zip(seqs, counts) for row in range(starts[i + 1] - c, starts[i + 1])]
-        self._set_logits_rows(lora, [scheduled[i].request.adapter_slot for i in seqs], counts)
+        if lora is not None:
+            lora.set_rows("logits", [scheduled[i].request.adapter_slot for i in seqs], counts)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         self._sample_logits(scheduled, seqs, counts, logits, results, masks)
 
@@ -397,7 +387,7 @@ class ModelRunner:
         for i, tokens in zip(seqs, kept):
             results[i].tokens = tokens
 
-    def _forward(self, scheduled: list[ScheduledRequest], batch: "_Batch", lora: LoraRows | None) -> torch.Tensor:
+    def _forward(self, scheduled: list[ScheduledRequest], batch: "_Batch", lora: LoraPlan | None) -> torch.Tensor:
         if self.encoder_decoder:
             encoded = None
             if batch.encoder_ids is not None:  # several requests' encoders in one call, rows concatenated
@@ -418,13 +408,13 @@ class ModelRunner:
                 self.image_features.drop(request.request_id)
         return hidden
 
-    def _image_states(self, requests: list, lora: LoraRows | None) -> torch.Tensor:
+    def _image_states(self, requests: list, lora: LoraPlan | None) -> torch.Tensor:
         """The image states of `requests` [their num_states, hidden], each request's in its layout's order.
 
         All their images go through the image encoder as one batch, each request's contiguous (in slot
         order: one LoRA segment per adapter, counted in images)."""
         if lora is not None:
-            lora.patches = lora_segments([r.adapter_slot for r in requests], [r.images.num_images for r in requests])
+            lora.set_rows("patches", [r.adapter_slot for r in requests], [r.images.num_images for r in requests])
         weight = next(self.model.parameters())
         started = time.perf_counter()
         states = self.model.image_states(
@@ -480,42 +470,8 @@ class ModelRunner:
         keep = [row for row, i in enumerate(owner) if i not in failed]
         return logits[keep], [i for i in seqs if i not in failed]
 
-    def _lora_rows(self, slots: list[int | None], row_counts: list[int]) -> LoraRows | None:
-        """Which rows use which adapter this step (None: no row does).
-
-        On CUDA, the rows of several adapters take the tile kernels (lora/kernels/tiles.py): one launch pair per
-        module (q/k/v and gate/up as one) for all of them, each adapter read once per tile of its rows. One
-        adapter's rows keep a matmul pair per module: with the tiles, the one-adapter online run's eager steps cost
-        30 ms over the base model's, against 12 ms with the pairs (docs/benchmarks.md). Elsewhere many short
-        segments (decode) use the stacked form: two matmuls per module for all adapters at once instead of two per
-        adapter; long segments (prefill) keep one pair each.
-        """
-        segments = lora_segments(slots, row_counts)
-        if not segments:
-            return None
-        assert self.lora is not None, "a request has an adapter slot but the runner has no LoRA slots"
-        lora = LoraRows(tokens=segments, logits=[], weights=self.lora.tables, dtype=self.lora.dtype)
-        if self.per_row_lora and len(segments) > 1:
-            lora.row_slots["tokens"] = LoraRowSlots(None, self.lora.pointers, self.lora.pointers.targeted,
-                                                    self.lora.max_rank, tiles=lora_tiles(segments, self.device))
-            lora.tokens = []
-            return lora
-        # Each adapter's group is padded to the longest: cap the longest, which bounds the padding.
-        if len(segments) > 1 and max(s.end - s.start for s in segments) <= self.stacked_rows_per_segment:
-            lora.stack = self.lora.stack(tuple(sorted({s.slot for s in segments})))
-            lora.groups["tokens"] = lora.stack.groups(segments, self.device)
-        return lora
-
-    def _set_logits_rows(self, lora: LoraRows | None, slots: list[int | None], row_counts: list[int]) -> None:
-        """Before each compute_logits call: which of the rows handed to it use which adapter."""
-        if lora is None:
-            return
-        # Always as segments: the logits rows are few and the head is wide, so the stacked form's
-        # padded [groups, rows, vocab] product would cost more than one small matmul pair per adapter.
-        lora.logits = lora_segments(slots, row_counts)
-
     def _prompt_logprobs(
-        self, item: ScheduledRequest, hidden: torch.Tensor, lora: LoraRows | None
+        self, item: ScheduledRequest, hidden: torch.Tensor, lora: LoraPlan | None
     ) -> list[float | None]:
         """Log-probabilities of the prompt tokens this step can score, given the tokens before each.
 
@@ -530,7 +486,8 @@ class ModelRunner:
         last = min(start + item.num_new_tokens, len(request.prompt_ids) - 1)  # inclusive
         if last >= first:
             rows = hidden[first - 1 - start : last - start]
-            self._set_logits_rows(lora, [request.adapter_slot], [rows.shape[0]])
+            if lora is not None:
+                lora.set_rows("logits", [request.adapter_slot], [rows.shape[0]])
             logits = self.model.compute_logits(rows)
             # A token the head cannot produce (Mllama's image token, past its vocabulary) has no logprob.
             ids = request.prompt_ids[first : last + 1]

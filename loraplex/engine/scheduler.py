@@ -24,7 +24,7 @@ Policy:
   request asking for prompt logprobs looks nothing up (cached tokens are not scored again). Cached
   blocks nobody holds are evicted least recently used first, when no free block is left.
 - A request for an adapter is admitted only when its adapter holds, or can take, a device slot (see
-  `AdapterSlots`: pinned while used, LRU reuse, fair rotation). A request that cannot have a slot yet
+  `AdapterResidency`: pinned while used, LRU reuse, fair rotation). A request that cannot have a slot yet
   is passed over; requests behind it still start. So at most `num_adapter_slots` distinct adapters
   run in one step.
 """
@@ -39,7 +39,7 @@ from loraplex.engine.joins import WaitingJoins
 from loraplex.engine.kv_cache import BlockAllocator, blocks_for
 from loraplex.engine.prefix_cache import block_hashes
 from loraplex.engine.request import FinishReason, Request, RequestStatus
-from loraplex.lora.slots import AdapterSlots
+from loraplex.lora.residency import AdapterResidency
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, clock=None) -> None:
         self.config = config
-        self.slots = AdapterSlots(config.num_adapter_slots, config.adapter_cycle_time_s, clock or time.monotonic)
+        self.slots = AdapterResidency(config.num_adapter_slots, config.adapter_cycle_time_s, clock or time.monotonic)
         self.allocator = BlockAllocator(config.num_blocks, config.block_size)
         self.state_allocator = (
             BlockAllocator(config.num_state_blocks, config.block_size) if config.num_state_blocks else self.allocator

@@ -24,6 +24,7 @@ from torch import nn
 from loraplex.environment import torch_attention_forced
 from loraplex.layers.forward_context import AttentionMetadata, get_forward_context
 from loraplex.layers.kernels import fused_kernels_wanted
+from loraplex.layers.masks import visible_keys
 
 
 class AttentionBackend(Protocol):
@@ -302,17 +303,6 @@ class TorchAttentionBackend:
         return out[0].transpose(0, 1)
 
 
-def visible_keys(num_new: int, seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """[num_new, seq_len] bool: which keys the last `num_new` positions of a sequence of `seq_len` see (those at or
-    before each, at most `window` of them)."""
-    q_pos = torch.arange(seq_len - num_new, seq_len, device=device)[:, None]
-    k_pos = torch.arange(seq_len, device=device)[None, :]
-    visible = k_pos <= q_pos
-    if window is not None:
-        visible &= k_pos > q_pos - window
-    return visible
-
-
 def _step_bias(layer, md: AttentionMetadata, key: tuple, distance) -> torch.Tensor:
     """`layer.score_bias(distance())` [..., H]. A bias that every layer of a stack shares (T5's) is computed
     once per step and kept in the step's metadata; ALiBi's slopes are per layer and cheap: computed each time."""
@@ -474,7 +464,7 @@ def default_backend(device: torch.device) -> AttentionBackend:
     torch reference elsewhere, or when LORAPLEX_ATTENTION_BACKEND=torch. Outside a graph a kernel call costs more
     host time than the torch decode (python -m benchmarks.paged_decode --op-only on the H200: 0.69x for one row of
     1024, 1.95x at 32 rows x 4096), which CUDA graphs remove."""
-    from loraplex.layers.kernels import triton_available
+    from loraplex.kernels import triton_available
 
     if not triton_available(device) or torch_attention_forced():
         return TorchAttentionBackend()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator
 
 import torch
 
@@ -79,111 +79,13 @@ class AttentionMetadata:
         return len(self.seq_lens)
 
 
-@dataclass(frozen=True)
-class LoraSegment:
-    """Rows `start:end` use the adapter in device slot `slot`."""
-
-    slot: int
-    start: int
-    end: int
-
-
-@dataclass
-class LoraGroups:
-    """Rows `start:end` (each using an adapter) laid out for the stacked LoRA form: one group per
-    adapter of the stack, `rows_per_group` rows each. `gather` [groups * rows_per_group] names the row
-    that fills each group position (positions no row of the group fills take row `start` and are never
-    read back); `scatter` [end - start] names, for each row, its position in its own group."""
-
-    start: int
-    end: int
-    num_groups: int
-    rows_per_group: int
-    gather: torch.Tensor
-    scatter: torch.Tensor
-
-
-@dataclass
-class LoraTiles:
-    """The tile form of per-row LoRA (lora/kernels/tiles.py): `table` [3, count] int32 on the device, each tile's
-    first row, number of rows and slot."""
-
-    table: torch.Tensor
-    count: int
-
-
-@dataclass
-class LoraRowSlots:
-    """The per-row LoRA form (lora/kernels/rows.py): each row's slot, -1 for none (`slots` [T] int32), the
-    engine's slot tables (a `SlotPointers`) and the layers some slot's adapter targets (the others add nothing).
-    With `tiles` (eager steps, where prompts' rows share their adapter) the kernels take the tiles instead of
-    `slots`, which is then None."""
-
-    slots: torch.Tensor | None
-    tables: Any
-    layers: frozenset[str]
-    max_rank: int
-    tiles: LoraTiles | None = None
-
-
-@dataclass
-class LoraRows:
-    """Which rows use which adapter, per kind of row a LoRA-wrapped linear sees.
-
-    Rows are ordered by adapter (the runner sorts sequences so), so each adapter owns one contiguous
-    segment; rows of the base model are in no segment. `tokens` covers the step's token rows; `logits`
-    covers the rows handed to `compute_logits` and is set by the runner before each such call.
-    """
-
-    tokens: list[LoraSegment]
-    logits: list[LoraSegment]
-    weights: Mapping[str, Sequence[Any]]  # LoRA layer name -> the weights in each slot (None: no delta)
-    # Image tiles seen by a vision tower and its projector, in units of tiles (the first dimension of
-    # their [tiles, seq, features] inputs); set by the runner before it encodes a step's images.
-    patches: list[LoraSegment] = field(default_factory=list)
-    # Encoder-decoder models: the rows of the encoders that run this step, each request's rows using its
-    # adapter; `states` (the cross-attention key/value projections of the encoder's output) sees the
-    # same rows in the same order.
-    encoder: list[LoraSegment] = field(default_factory=list)
-    # For steps of many short segments: the step's adapters stacked (a lora `Stack`: per layer its A
-    # and B stacks, only for layers some adapter targets), and per row kind how rows map onto the
-    # stack's groups. None: use the segments.
-    stack: Any = None
-    groups: dict[str, LoraGroups] = field(default_factory=dict)
-    # On CUDA, for steps of short segments (decode) and CUDA graphs: per row kind, each row's slot (the per-row
-    # form, which takes precedence over the stack and the segments).
-    row_slots: dict[str, LoraRowSlots] = field(default_factory=dict)
-    # The dtype the adapter weights hold (the model's compute dtype); an input in another dtype (a layer
-    # kept in float32) has its delta computed in this one. None: the input's dtype.
-    dtype: torch.dtype | None = None
-
-    def segments(self, kind: str) -> list[LoraSegment]:
-        if kind == "states":
-            return self.encoder
-        return {"tokens": self.tokens, "logits": self.logits, "patches": self.patches, "encoder": self.encoder}[kind]
-
-
-def lora_segments(slots: list[int | None], row_counts: list[int]) -> list[LoraSegment]:
-    """Segments of consecutive rows sharing an adapter slot (base-model rows belong to none)."""
-    segments: list[LoraSegment] = []
-    start = 0
-    for slot, count in zip(slots, row_counts):
-        if slot is not None and count > 0:
-            last = segments[-1] if segments else None
-            if last is not None and last.slot == slot and last.end == start:
-                segments[-1] = LoraSegment(slot, last.start, start + count)
-            else:
-                segments.append(LoraSegment(slot, start, start + count))
-        start += count
-    return segments
-
-
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[Any]  # per attention layer, in the backend's own layout
     backend: Any  # an AttentionBackend
-    lora: LoraRows | None = None  # None: no adapter in this step
+    # The step's LoRA plan (lora/plan.py), opaque here: only the LoRA layers read it. None: no adapter in this step.
+    lora: object | None = None
     # The eager pass before a CUDA graph capture: layers take the kernels the capture will (compiling them first).
     graph_warm_up: bool = False
 
@@ -193,8 +95,8 @@ def in_graph_warm_up() -> bool:
     return _current is not None and _current.graph_warm_up
 
 
-def current_lora_rows() -> LoraRows | None:
-    """The step's adapter rows, or None outside a forward pass or when no row uses an adapter."""
+def current_lora() -> object | None:
+    """The step's LoRA plan, or None outside a forward pass or when no row uses an adapter."""
     return _current.lora if _current is not None else None
 
 

@@ -6,18 +6,31 @@ of one concatenated weight and `project` multiplies by it once: on a GPU decodin
 products were three launches each too small to reach the memory bandwidth (the 8B shape's k and v weights are
 8 MB). Unfused, `project` calls each linear: the CPU path, and the checkpoint names, stay as they were.
 
-The siblings may be wrapped (the LoRA layer): a wrapper that adds to its linear's output exposes
-`add_to(out, x)`, which `project` calls with the linear's slice of the fused output, or, for siblings wrapped
-alike, `begin_siblings` before the product and `add_siblings_to` after it.
+The siblings may be wrapped (the LoRA layer, lora/layers.py) by a `LinearWrapper`, the one seam between them:
+`project` hands the wrapper of the siblings the fused product to run (`around_product`), and the wrapper adds its
+own terms to the outputs (and may start work that needs only the input before the product).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class LinearWrapper(nn.Module):
+    """A module that holds a linear as `base` and adds a term of its own to the linear's output (the LoRA layer)."""
+
+    base: nn.Module
+
+    def around_product(self, siblings: Sequence["LinearWrapper"], x: torch.Tensor, sizes: Sequence[int],
+                       product: Callable[[], Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+        """The outputs of `siblings` (this wrapper first; all of one type) for input x: `product()`, their linears'
+        outputs (each sibling's `sizes` columns of one product, in order), plus each sibling's own term."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -32,23 +45,27 @@ def project(owner: nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> tuple[
     linears = [getattr(owner, name) for name in names]
     fused = owner.__dict__.get("fused_projections", {}).get(names)
     # Stale when the module's parameters were replaced since (`model.to(...)` copies each on its own).
-    if fused is None or getattr(linears[0], "base", linears[0]).weight.data_ptr() != fused.weight.data_ptr():
+    if fused is None or _inner(linears[0]).weight.data_ptr() != fused.weight.data_ptr():
         return tuple(linear(x) for linear in linears)
-    wrapped = all(type(linear) is type(linears[0]) for linear in linears) and hasattr(linears[0], "add_siblings_to")
-    # LoRA work that needs only x may start before the product (a CUDA graph's shrink, beside it).
-    early = linears[0].begin_siblings(linears, x, fused.sizes) if wrapped else None
-    outputs = F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
-    if wrapped:
-        return linears[0].add_siblings_to(linears, outputs, x, early)  # LoRA deltas, all siblings' at once where it can
+    product = lambda: F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)  # noqa: E731
+    first = linears[0]
+    if isinstance(first, LinearWrapper) and all(type(linear) is type(first) for linear in linears):
+        return first.around_product(linears, x, fused.sizes, product)  # the wrappers' terms, all at once
     return tuple(
-        linear.add_to(out, x) if hasattr(linear, "add_to") else out for linear, out in zip(linears, outputs)
+        linear.around_product((linear,), x, (size,), lambda out=out: (out,))[0] if isinstance(linear, LinearWrapper)
+        else out for linear, size, out in zip(linears, fused.sizes, product())
     )
 
 
+def _inner(module: nn.Module) -> nn.Module:
+    """The linear itself: what a wrapper holds as `base`, or the module."""
+    return module.base if isinstance(module, LinearWrapper) else module
+
+
 def _plain_linear(module: nn.Module) -> nn.Linear | None:
-    """The nn.Linear under `module` (itself, or what a wrapper holds as `base`), if it is a plain one (a
-    quantized linear keeps its own product)."""
-    linear = getattr(module, "base", module)
+    """The nn.Linear under `module` (itself, or what a wrapper holds), if it is a plain one (a quantized linear
+    keeps its own product)."""
+    linear = _inner(module)
     return linear if type(linear) is nn.Linear else None
 
 

@@ -1,12 +1,11 @@
 """The per-row LoRA shrink beside the base product, in a CUDA graph being captured.
 
 A decode step over many adapters launches, per layer, a shrink and an expand for each of four projection groups
-(`kernels/bgmv.py`): short kernels (3-18 us at Llama-8B's shapes, 64 rows over 64 rank-16 adapters), each with a
-ramp and a tail of its own. The shrink reads only the layer's input, so it need not wait for the base product:
-forked onto a second stream before the product and joined after it, it runs while the product reads the weights,
-and only the expand (which adds to the product) stays behind it. In a graph the fork and join are edges, not host
-work. Measured on the H200 (`python -m benchmarks.lora_step`: a step's 32 layers of projections, replayed): 70 ->
-60 us of LoRA per layer; the 8B benchmark's 64-adapter decode went from 69-70% to 70.3-70.6% of its roofline.
+(`kernels/bgmv.py`): short kernels, each with a ramp and a tail of its own. The shrink reads only the layer's
+input, so it need not wait for the base product: forked onto a second stream before the product and joined after
+it, it runs while the product reads the weights, and only the expand (which adds to the product) stays behind it.
+In a graph the fork and join are edges, not host work. `python -m benchmarks.lora_step` measures it (figures in
+docs/benchmarks.md).
 
 Only in graphs (and the eager pass before a capture): an eager step would pay two stream switches per group on
 the host, and eager steps are the ones bound by the host. The partial sums are allocated on the side stream; every

@@ -25,7 +25,7 @@ def _aligned(n: int) -> int:
 @dataclass(frozen=True, eq=False)
 class Layout:
     """module name -> (offset of A, rank, in_features, offset of B.T, out_features), in elements; `length`: the
-    buffer's. The same per module as tensors, in the entries' order, for the slot tables (`SlotPointers`), which
+    buffer's. The same per module as tensors, in the entries' order, for the slot tables (`PointerTable`), which
     point at a buffer's modules without a Python pass over them: `offsets` [M, 2] int64 (A's, B.T's) and `ranks` [M]
     int32."""
 

@@ -2,7 +2,7 @@
 
 An install's host work is mostly laying the adapter out in the slots' dtype (a converting copy of its whole flat
 buffer into pinned memory, `AdapterUploader.stage`); done in the step that installs it, it adds to that step's
-time (with 1,000 adapters over 128 slots, ~4.6 ms of each prompt step on the H200's host). `StagedUploads` does it
+time (with many more adapters than slots, a share of every prompt step; docs/benchmarks.md). `StagedUploads` does it
 on a worker thread while earlier steps run (the copy releases the GIL), for the few adapters the waiting queue
 will want next; the install then takes the staged buffer, and only the copy to the device (on the uploader's side
 stream) and the slot tables remain. A staged buffer is kept for the very adapter object it was made from: one

@@ -1,7 +1,7 @@
 """Where adapters come from and where they wait: sources on disk, and an LRU cache of loaded adapters.
 
 Tiers: disk (a local adapter root, or the Hugging Face cache) -> this CPU cache (`max_cpu_adapters`,
-least recently used dropped first) -> device slots (`LoraSlots`, given out by the scheduler). Loads
+least recently used dropped first) -> device slots (`AdapterTable`, given out by the scheduler). Loads
 run on the store's own threads, never on the engine loop: a request whose adapter is loading waits
 for it; nothing else does. Concurrent requests for one adapter share one load. A failed load fails
 only the requests that asked for that adapter. A refusal (AdapterInvalid) is remembered for

@@ -11,7 +11,7 @@ import pytest
 
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
-from loraplex.lora.layers import LoraSlots
+from loraplex.lora.table import AdapterTable
 from loraplex.lora.store import AdapterStore
 from loraplex.params import GrammarSpec, SamplingParams
 
@@ -86,7 +86,7 @@ def check_all_free(engine: Engine) -> None:
 def test_an_adapter_whose_install_raises_fails_only_its_requests(make_engine, jobs, solo, adapters, prompts, monkeypatch, when):
     engine = make_engine(max_active_adapters=2)  # three adapters for two slots: the failed slot must be reusable
     orion = adapters["name-orion"]
-    install = LoraSlots.install
+    install = AdapterTable.install
 
     def failing_install(self, slot, adapter):
         if adapter.adapter_id == orion.adapter_id:
@@ -95,7 +95,7 @@ def test_an_adapter_whose_install_raises_fails_only_its_requests(make_engine, jo
             raise RuntimeError("injected install failure")
         install(self, slot, adapter)
 
-    monkeypatch.setattr(LoraSlots, "install", failing_install)
+    monkeypatch.setattr(AdapterTable, "install", failing_install)
     bad = [(prompts[0], GREEDY, orion), (prompts[1], GREEDY, orion)]
     outs = run(engine, [*jobs, *bad])
     assert [o.token_ids for o in outs[: len(jobs)]] == solo
@@ -104,7 +104,7 @@ def test_an_adapter_whose_install_raises_fails_only_its_requests(make_engine, jo
     assert orion.adapter_id not in engine.lora.occupant and engine.scheduler.slots.slot_of(orion.adapter_id) is None
     check_all_free(engine)
 
-    monkeypatch.setattr(LoraSlots, "install", install)  # the next request for it installs it again
+    monkeypatch.setattr(AdapterTable, "install", install)  # the next request for it installs it again
     again = run(engine, [*bad, *jobs])
     assert [o.token_ids for o in again] == solo_tokens(make_engine(), bad) + solo
     check_all_free(engine)

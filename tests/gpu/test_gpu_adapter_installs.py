@@ -1,6 +1,6 @@
 """Adapter installs while a step is in flight (engine/overlap.py installs the next step's adapters then): the host
 never waits for the device, the copy runs on the uploader's side stream, and the next step on the main stream
-reads the new weights, however long the copy takes (lora/upload.py, `SlotPointers.set_slot`). CUDA only."""
+reads the new weights, however long the copy takes (lora/upload.py, `PointerTable.set_slot`). CUDA only."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from torch import nn
 
 from loraplex.lora.adapter import LoraAdapter, LoraConfig, LoraWeights
 from loraplex.lora.kernels import add_lora_rows_reference
-from loraplex.lora.layers import LoraSlots
+from loraplex.lora.table import AdapterTable
 
 if not torch.cuda.is_available():
     pytest.fail("tests/gpu needs a CUDA device", pytrace=False)
@@ -29,9 +29,9 @@ def adapter(seed: int, rank: int = 8) -> LoraAdapter:
     return built.packed() if seed % 2 == 0 else built
 
 
-def slots_with(adapters: list[LoraAdapter]) -> LoraSlots:
+def slots_with(adapters: list[LoraAdapter]) -> AdapterTable:
     model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256)).to(DEVICE)
-    slots = LoraSlots(model, num_slots=len(adapters), device=DEVICE, dtype=torch.float32, max_rank=16)
+    slots = AdapterTable(model, num_slots=len(adapters), device=DEVICE, dtype=torch.float32, max_rank=16)
     for slot, a in enumerate(adapters):  # the first installs allocate the pools the later ones reuse
         slots.install(slot, a)
     torch.cuda.synchronize()
@@ -47,7 +47,7 @@ def busy(stream: torch.cuda.Stream) -> torch.cuda.Event:
     return done
 
 
-def assert_rows_read(slots: LoraSlots, adapters: list[LoraAdapter]) -> None:
+def assert_rows_read(slots: AdapterTable, adapters: list[LoraAdapter]) -> None:
     """A step's LoRA rows, launched now on the main stream, add the deltas of `adapters` (slot by slot)."""
     row_slots = [0, 1, 2, 1, 0]
     x = torch.randn(len(row_slots), 256, device=DEVICE)
@@ -57,7 +57,7 @@ def assert_rows_read(slots: LoraSlots, adapters: list[LoraAdapter]) -> None:
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert not torch.equal(got, base), "the adapters must change the rows"
     for slot, a in enumerate(adapters):  # the segment forms' views of each slot: the same weights
-        torch.testing.assert_close(slots.tables["1"][slot].b, a.modules["1"].b.to(DEVICE), rtol=0, atol=0)
+        torch.testing.assert_close(slots.columns["1"][slot].b, a.modules["1"].b.to(DEVICE), rtol=0, atol=0)
 
 
 def test_installs_while_a_step_is_in_flight_leave_the_host_free_and_the_next_step_reads_them():

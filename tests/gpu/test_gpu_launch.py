@@ -1,4 +1,4 @@
-"""The direct launcher (layers/kernels/launch.py) against Triton's own launch path (CUDA only: `python -m pytest
+"""The direct launcher (kernels/launch.py) against Triton's own launch path (CUDA only: `python -m pytest
 tests/gpu`): the same results, and for every specialisation Triton makes, the very kernel Triton picks."""
 
 import pytest
@@ -11,7 +11,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton import knobs  # noqa: E402
 
-from loraplex.layers.kernels.launch import Launcher  # noqa: E402
+from loraplex.kernels.launch import Launcher  # noqa: E402
 
 DEVICE = "cuda"
 BLOCK = 32

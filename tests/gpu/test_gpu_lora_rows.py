@@ -6,7 +6,7 @@ import torch
 
 from loraplex.lora.adapter import LoraWeights
 from loraplex.lora.upload import laid_out
-from loraplex.lora.kernels import SlotPointers, add_lora_rows_reference
+from loraplex.lora.kernels import PointerTable, add_lora_rows_reference
 
 if not torch.cuda.is_available():
     pytest.fail("tests/gpu needs a CUDA device", pytrace=False)
@@ -31,7 +31,7 @@ def slot_weights(in_features, out_features, dtype, seed, ranks=RANKS):
 
 
 def tables_for(weights, name="layer"):
-    tables = SlotPointers([name], len(weights), DEVICE)
+    tables = PointerTable([name], len(weights), DEVICE)
     for slot, w in enumerate(weights):
         tables.set_slot(slot, {name: w})
     return tables
@@ -95,7 +95,7 @@ def sibling_tables(dtype):
     ranks = {"q": [8, 16, 64, 4], "k": [8, None, 64, 4], "v": [8, 16, None, None]}
     weights = {n: slot_weights(in_features, w, dtype, seed=i, ranks=ranks[n])
                for i, (n, w) in enumerate(zip(names, widths))}
-    tables = SlotPointers(names, 4, DEVICE)
+    tables = PointerTable(names, 4, DEVICE)
     for slot in range(4):
         tables.set_slot(slot, {n: weights[n][slot] for n in names})
     return in_features, widths, names, weights, tables

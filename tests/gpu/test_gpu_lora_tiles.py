@@ -5,7 +5,7 @@ adapter does not target the layer, sibling layers in one launch, and isolation (
 import pytest
 import torch
 
-from loraplex.layers.forward_context import LoraSegment
+from loraplex.lora.row_maps import LoraSegment
 from loraplex.lora.kernels import add_lora_rows_reference
 from loraplex.lora.kernels.tiles import TILE_ROWS, lora_tiles, reference_row_slots
 from tests.gpu.test_gpu_lora_rows import sibling_tables, slot_weights, tables_for

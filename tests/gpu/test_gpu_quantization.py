@@ -17,8 +17,8 @@ import torch
 from loraplex.checkpoints.sources import resolve_model
 from loraplex.checkpoints.weights import load_state_dict
 from loraplex.engine.loading import build_model
-from loraplex.lora.layers import LoraSlots
 from loraplex.models.registry import config_from_hf
+from loraplex.lora.table import AdapterTable
 from loraplex.params import SamplingParams
 from loraplex.quantization import is_quantized, quantize_model, weight_bytes
 from tests.helpers import engine_for, full_logits, tiny_hf_model
@@ -128,7 +128,7 @@ def test_lora_on_quantized_model_matches_peft_on_cuda(saved, tmp_path, mode):
     model, config = ours(saved, mode)
     reference = theirs(saved, mode)
     trained = peft_model(reference, seed=3, r=16, lora_alpha=32, target_modules=list(ALL_PROJECTIONS))
-    shapes = LoraSlots(model, 1, torch.device(DEVICE), DTYPE).base_shapes
+    shapes = AdapterTable(model, 1, torch.device(DEVICE), DTYPE).base_shapes
     adapter = save_and_load(trained, tmp_path, "a", shapes)
 
     want = logits(trained, PROMPT)
@@ -193,7 +193,7 @@ def test_quantized_t5_and_lora_match_transformers_and_peft_on_cuda(saved_t5, tmp
     assert diff <= tolerance(want), f"{mode}: T5 logits differ by {diff:.3g} (tolerance {tolerance(want):.3g})"
 
     trained = peft_model(reference, seed=3, r=16, lora_alpha=32, target_modules=["q", "k", "v", "o", "wi_0", "wi_1", "wo"])
-    adapter = save_and_load(trained, tmp_path, "a", LoraSlots(model, 1, torch.device(DEVICE), DTYPE).base_shapes)
+    adapter = save_and_load(trained, tmp_path, "a", AdapterTable(model, 1, torch.device(DEVICE), DTYPE).base_shapes)
     with torch.inference_mode():
         want_lora = trained(input_ids=enc, decoder_input_ids=dec).logits[0].float()
     got_lora = encoder_decoder_logits(model, config, encoder_ids, decoder_ids, adapter=adapter, device=DEVICE)

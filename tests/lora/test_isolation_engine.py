@@ -153,14 +153,15 @@ def test_an_adapter_whose_computation_raises_fails_only_its_own_requests(embedde
 
 
 def count_stacked_steps(engine: Engine) -> list[int]:
-    """How many of the engine's steps used the stacked LoRA form (read from the runner's LoRA rows)."""
+    """How many of the engine's steps used the stacked LoRA form (read from the runner's LoRA plans)."""
     counter = [0]
-    lora_rows = engine.runner._lora_rows
+    planner = engine.runner.lora_planner
+    plan = planner.plan
 
     def counted(*args):
-        rows = lora_rows(*args)
+        rows = plan(*args)
         counter[0] += rows is not None and rows.stack is not None
         return rows
 
-    engine.runner._lora_rows = counted
+    planner.plan = counted
     return counter

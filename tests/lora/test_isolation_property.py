@@ -12,10 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from loraplex.engine.runner import lora_segments
-from loraplex.layers.forward_context import ForwardContext, LoraRows, forward_context
+from loraplex.layers.forward_context import ForwardContext, forward_context
 from loraplex.lora.adapter import LoraAdapter, LoraConfig, LoraWeights
-from loraplex.lora.layers import LoraSlots
+from loraplex.lora.plan import LoraPlan
+from loraplex.lora.row_maps import lora_segments
+from loraplex.lora.table import AdapterTable
 
 IN, HIDDEN, OUT = 12, 20, 9
 POISON = [math.nan, math.inf, -math.inf, 3e38]
@@ -32,7 +33,7 @@ class TwoLinears(nn.Module):
 
 
 MODEL = TwoLinears().eval()
-SLOTS = LoraSlots(MODEL, num_slots=6, device=torch.device("cpu"), dtype=torch.float32)
+SLOTS = AdapterTable(MODEL, num_slots=6, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def make_adapter(seed: int, rank: int, targets: tuple[str, ...], poison: tuple[str, str, float] | None) -> LoraAdapter:
@@ -73,7 +74,7 @@ def run(adapters: list[LoraAdapter], base_rows: int, counts: list[int], stacked:
         SLOTS.install(slot, adapter)
     slots = [None] + list(range(len(adapters)))
     segments = lora_segments(slots, [base_rows, *counts])
-    rows = LoraRows(tokens=segments, logits=[], weights=SLOTS.tables) if segments else None
+    rows = LoraPlan(tokens=segments, logits=[], weights=SLOTS.columns) if segments else None
     if rows is not None and stacked:
         rows.stack = SLOTS.stack(tuple(sorted({s.slot for s in segments})))
         rows.groups["tokens"] = rows.stack.groups(segments, torch.device("cpu"))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from loraplex.engine.engine import Engine
-from loraplex.layers.forward_context import current_lora_rows
+from loraplex.layers.forward_context import current_lora
 from loraplex.lora.adapter import LoraAdapter, LoraConfig, LoraWeights
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for, ours_from_hf, tiny_hf_model
@@ -214,7 +214,7 @@ class Probe:
     def _tokens_hook(self, module, args) -> None:
         if not self._active:
             return
-        rows = current_lora_rows()
+        rows = current_lora()
         if not self._expect_tokens:
             assert rows is None, "a step without adapter requests built LoRA rows"
             self.forwards_without_lora += 1
@@ -226,7 +226,7 @@ class Probe:
     def _logits_hook(self, module, args) -> None:
         if not self._active:
             return
-        rows = current_lora_rows()
+        rows = current_lora()
         if not self._expect_tokens:
             assert rows is None
             return

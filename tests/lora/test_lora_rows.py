@@ -4,10 +4,10 @@
 import pytest
 import torch
 
-from loraplex.layers.forward_context import LoraSegment
+from loraplex.lora.row_maps import LoraSegment
 from loraplex.lora.adapter import LoraWeights
 from loraplex.lora.upload import laid_out
-from loraplex.lora.kernels import SlotPointers, add_lora, add_lora_rows_reference
+from loraplex.lora.kernels import PointerTable, add_lora, add_lora_rows_reference
 from loraplex.lora.kernels.rows import fits, sibling_launch, sibling_launch_at
 
 
@@ -28,7 +28,7 @@ def test_reference_matches_the_segment_form():
 
 
 def test_slot_tables_follow_installs():
-    tables = SlotPointers(["q", "v"], 3, torch.device("cpu"))
+    tables = PointerTable(["q", "v"], 3, torch.device("cpu"))
     assert tables.targeted == frozenset()
     q = weights(4, 0)
     tables.set_slot(1, {"q": q, "v": None})
@@ -43,7 +43,7 @@ def test_slot_tables_follow_installs():
 
 
 def test_a_sibling_launch_finds_the_outputs_columns_layers_and_splits():
-    tables = SlotPointers(["q", "k", "v", "o"], 2, torch.device("cpu"))
+    tables = PointerTable(["q", "k", "v", "o"], 2, torch.device("cpu"))
     fused = torch.zeros(5, 70 + 20 + 20)
     q, k, v = fused.split([70, 20, 20], dim=1)
     x = torch.zeros(5, 300)
@@ -62,7 +62,7 @@ def test_a_sibling_launch_finds_the_outputs_columns_layers_and_splits():
 def test_a_launch_planned_before_its_outputs_exist_is_the_one_planned_from_them():
     """The shrink that runs beside the base product is planned from the product's columns; its expand then takes
     the product's slices: both plans must agree, targeted subsets of the siblings included."""
-    tables = SlotPointers(["q", "k", "v"], 2, torch.device("cpu"))
+    tables = PointerTable(["q", "k", "v"], 2, torch.device("cpu"))
     fused = torch.zeros(5, 70 + 20 + 20)
     q, k, v = fused.split([70, 20, 20], dim=1)
     x = torch.zeros(5, 300)
@@ -82,7 +82,7 @@ def test_a_launch_planned_before_its_outputs_exist_is_the_one_planned_from_them(
 
 def test_a_sibling_launch_refuses_outputs_that_are_not_column_slices_of_one_tensor():
     """The kernels write through raw offsets from the first output: anything else would write out of bounds."""
-    tables = SlotPointers(["q", "k"], 2, torch.device("cpu"))
+    tables = PointerTable(["q", "k"], 2, torch.device("cpu"))
     x = torch.zeros(4, 8)
     fused = torch.zeros(4, 30)
     with pytest.raises(AssertionError, match="column slices"):  # k runs past the end of q's rows

@@ -4,7 +4,7 @@ against the per-row reference on the GPU (tests/gpu/test_gpu_lora_tiles.py)."""
 
 import torch
 
-from loraplex.layers.forward_context import LoraSegment
+from loraplex.lora.row_maps import LoraSegment
 from loraplex.lora.kernels.tiles import TILE_ROWS, lora_tiles, reference_row_slots
 
 

@@ -278,10 +278,10 @@ class EmbeddedAdapters:
 
 @pytest.fixture(scope="module")
 def embedded_adapters(embedded, embedded_hf, tmp_path_factory) -> EmbeddedAdapters:
-    from loraplex.lora.layers import LoraSlots
+    from loraplex.lora.table import AdapterTable
 
     # The shapes an engine checks adapters against (wrapping is idempotent and holds no adapter state).
-    base_shapes = LoraSlots(embedded.model, 1, embedded.device, embedded.dtype).base_shapes
+    base_shapes = AdapterTable(embedded.model, 1, embedded.device, embedded.dtype).base_shapes
     cases = list(EMBEDDED_CASES)
     peft_names = {case: "default" if i == 0 else case for i, case in enumerate(cases)}
     model = peft_model(embedded_hf, seed=1, **EMBEDDED_CASES[cases[0]])

@@ -9,11 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-import loraplex.lora.layers as lora_layers
-from loraplex.layers.forward_context import ForwardContext, LoraRows, LoraRowSlots, LoraSegment, LoraTiles, forward_context
+import loraplex.lora.plan as lora_plan
+from loraplex.layers.forward_context import ForwardContext, forward_context
 from loraplex.layers.projections import fuse_projections, project
-from loraplex.lora.kernels import SlotPointers
-from loraplex.lora.layers import LoraLinear, wrap_linears
+from loraplex.lora.kernels import PointerTable
+from loraplex.lora.layers import wrap_linears
+from loraplex.lora.plan import LoraPlan, PerRowForm
+from loraplex.lora.row_maps import LoraSegment, LoraTiles
 
 SIZES = {"q": 8, "k": 4, "v": 4}
 
@@ -56,15 +58,15 @@ def model(monkeypatch):
     wrap_linears(model)
     assert fuse_projections(model) == 1
     stand_in = StandIn()
-    monkeypatch.setattr(lora_layers, "in_graph", lambda x: True)
-    monkeypatch.setattr(lora_layers, "shrink_beside", stand_in)
+    monkeypatch.setattr(lora_plan, "in_graph", lambda x: True)
+    monkeypatch.setattr(lora_plan, "shrink_beside", stand_in)
     return model, stand_in
 
 
 def rows_for(targeted, segments=(), tiles=None):
-    tables = SlotPointers(["attn.q", "attn.k", "attn.v", "attn.o"], 2, torch.device("cpu"))
-    per_row = LoraRowSlots(torch.tensor([0, 1, -1], dtype=torch.int32), tables, frozenset(targeted), 16, tiles)
-    return LoraRows(tokens=list(segments), logits=[], weights={}, row_slots={"tokens": per_row})
+    tables = PointerTable(["attn.q", "attn.k", "attn.v", "attn.o"], 2, torch.device("cpu"))
+    per_row = PerRowForm(torch.tensor([0, 1, -1], dtype=torch.int32), tables, frozenset(targeted), 16, tiles)
+    return LoraPlan(tokens=list(segments), logits=[], weights={}, per_row={"tokens": per_row})
 
 
 def test_the_targeted_siblings_shrink_before_the_product_with_their_columns(model):
@@ -110,13 +112,19 @@ def test_nothing_starts_early_where_the_step_takes_another_path(model, case):
     if case == "3-d input":
         x = x[None]
     with torch.inference_mode(), forward_context(ForwardContext(None, [], None, rows)):
-        assert LoraLinear.begin_siblings(layers, x, tuple(SIZES.values())) is None
+        if rows is None:  # no plan: the wrappers add nothing, and start nothing, around the product
+            product = [torch.zeros(3, n) for n in SIZES.values()]
+            outs = layers[0].around_product(layers, x, tuple(SIZES.values()), lambda: product)
+            assert all(out is made for out, made in zip(outs, product, strict=True))
+        else:
+            assert rows.begin_siblings(layers, x, tuple(SIZES.values())) is None
     assert stand_in.calls == []
 
 
 def test_outside_a_graph_nothing_starts_early(model, monkeypatch):
     model, stand_in = model
-    monkeypatch.setattr(lora_layers, "in_graph", lambda x: False)
-    with torch.inference_mode(), forward_context(ForwardContext(None, [], None, rows_for({"attn.q"}))):
-        assert LoraLinear.begin_siblings([model.attn.q], torch.randn(3, 6), (8,)) is None
+    monkeypatch.setattr(lora_plan, "in_graph", lambda x: False)
+    rows = rows_for({"attn.q"})
+    with torch.inference_mode(), forward_context(ForwardContext(None, [], None, rows)):
+        assert rows.begin_siblings([model.attn.q], torch.randn(3, 6), (8,)) is None
     assert stand_in.calls == []

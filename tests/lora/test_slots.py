@@ -10,7 +10,7 @@ import pytest
 
 from loraplex.engine.request import FinishReason, Request, RequestStatus
 from loraplex.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from loraplex.lora.slots import AdapterSlots
+from loraplex.lora.residency import AdapterResidency
 from loraplex.params import SamplingParams
 
 
@@ -109,11 +109,11 @@ class Harness:
         return [i.request.request_id for i in out.scheduled]
 
 
-# ---- AdapterSlots on its own ---------------------------------------------------------------------------
+# ---- AdapterResidency on its own ---------------------------------------------------------------------------
 
 
 def test_acquire_installs_only_when_the_adapter_holds_no_slot():
-    slots = AdapterSlots(2, cycle_time_s=10.0, clock=FakeClock())
+    slots = AdapterResidency(2, cycle_time_s=10.0, clock=FakeClock())
     assert slots.acquire("a") == (0, True)
     assert slots.acquire("a") == (0, False)  # second request of a: same slot, nothing to install
     assert slots.acquire("b") == (1, True)
@@ -128,7 +128,7 @@ def test_acquire_installs_only_when_the_adapter_holds_no_slot():
 
 
 def test_pinned_slots_are_never_reused():
-    slots = AdapterSlots(2, cycle_time_s=10.0, clock=FakeClock())
+    slots = AdapterResidency(2, cycle_time_s=10.0, clock=FakeClock())
     slots.acquire("a")
     slots.acquire("a")
     slots.acquire("b")
@@ -143,7 +143,7 @@ def test_pinned_slots_are_never_reused():
 
 
 def test_unpinned_slots_are_reused_least_recently_used_first():
-    slots = AdapterSlots(3, cycle_time_s=10.0, clock=FakeClock())
+    slots = AdapterResidency(3, cycle_time_s=10.0, clock=FakeClock())
     for adapter in "abc":
         slots.acquire(adapter)
     for adapter in "abc":
@@ -430,7 +430,7 @@ def test_no_adapter_waits_forever_under_random_load(seed):
 
 
 def test_eviction_spares_an_adapter_a_waiting_request_wants():
-    slots = AdapterSlots(2, 10.0, clock=lambda: 0.0)
+    slots = AdapterResidency(2, 10.0, clock=lambda: 0.0)
     for adapter in "ab":
         slots.acquire(adapter)
         slots.release(adapter)

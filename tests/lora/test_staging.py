@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from loraplex.lora.adapter import LoraAdapter, LoraConfig
-from loraplex.lora.kernels import SlotPointers
+from loraplex.lora.kernels import PointerTable
 from loraplex.lora.staging import StagedUploads
 from loraplex.lora.upload import AdapterUploader
 from loraplex.params import SamplingParams
@@ -80,7 +80,7 @@ def test_a_failed_staging_raises_at_the_install_that_takes_it():
 
 
 def test_a_steps_installs_reach_the_device_tables_in_one_copy(monkeypatch):
-    pointers = SlotPointers(["m0", "m1", "m2"], 4, torch.device("cpu"))
+    pointers = PointerTable(["m0", "m1", "m2"], 4, torch.device("cpu"))
     uploader = AdapterUploader(torch.device("cpu"), torch.float32)
     copies = []
     to_device = pointers._to_device

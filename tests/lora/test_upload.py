@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loraplex.lora.adapter import LoraAdapter, LoraConfig, LoraWeights
-from loraplex.lora.kernels import SlotPointers
+from loraplex.lora.kernels import PointerTable
 from loraplex.lora.layout import ALIGN, Layout
 from loraplex.lora.upload import AdapterUploader
 
@@ -79,7 +79,7 @@ def test_uploads_do_not_share_memory_and_the_tables_point_into_each():
     first, second = uploader.upload(modules(2)).weights(), uploader.upload(modules(3, ranks=(2, 2, 2))).weights()
     assert first["m0"].a.untyped_storage().data_ptr() != second["m0"].a.untyped_storage().data_ptr()
     torch.testing.assert_close(first["m1"].a, modules(2)["m1"].a)  # the second upload left the first intact
-    tables = SlotPointers(["m0", "m1", "m2", "absent"], 2, torch.device("cpu"))
+    tables = PointerTable(["m0", "m1", "m2", "absent"], 2, torch.device("cpu"))
     tables.set_slot(0, first)
     tables.set_slot(1, {"m1": second["m1"]})
     pointers, ranks, scales = tables.layer("m1")
@@ -97,7 +97,7 @@ def test_the_tables_point_at_an_upload_from_its_layout_as_at_its_views():
     per-module views, and clears the layers the new adapter does not target."""
     uploader = AdapterUploader(torch.device("cpu"), torch.float32)
     names = ["m0", "m1", "m2", "absent"]
-    by_layout, by_views = SlotPointers(names, 3, torch.device("cpu")), SlotPointers(names, 3, torch.device("cpu"))
+    by_layout, by_views = PointerTable(names, 3, torch.device("cpu")), PointerTable(names, 3, torch.device("cpu"))
     for slot, seed in [(0, 6), (2, 7)]:
         uploaded = uploader.upload(modules(seed, ranks=(8, 2, 5)))
         by_layout.set_slot_uploaded(slot, uploaded)
@@ -115,26 +115,26 @@ def test_the_tables_point_at_an_upload_from_its_layout_as_at_its_views():
 
 
 def test_slots_hand_out_each_installed_adapters_weights_and_none_after_a_replacement_or_clear():
-    """`LoraSlots` keeps each slot's upload and makes its per-module views on first use (the segment forms'):
+    """`AdapterTable` keeps each slot's upload and makes its per-module views on first use (the segment forms'):
     they are the adapter's weights, a replacement's after an install, and nothing after a clear."""
     from torch import nn
 
-    from loraplex.lora.layers import LoraSlots
+    from loraplex.lora.table import AdapterTable
 
     model = nn.Sequential(nn.Linear(24, 10), nn.Linear(7, 33), nn.Linear(64, 5))
-    slots = LoraSlots(model, num_slots=2, device=torch.device("cpu"), dtype=torch.float32, max_rank=16)
+    slots = AdapterTable(model, num_slots=2, device=torch.device("cpu"), dtype=torch.float32, max_rank=16)
     first = LoraAdapter("a", {str(i): w for i, w in enumerate(modules(9).values())}, LoraConfig(r=16, lora_alpha=16))
     second = LoraAdapter("b", {"1": modules(10, ranks=(4, 2, 1))["m1"]}, LoraConfig(r=2, lora_alpha=2)).packed()
     slots.install(0, first)
     slots.install(1, second)
     for name, w in first.modules.items():
-        assert torch.equal(slots.tables[name][0].a, w.a) and torch.equal(slots.tables[name][0].b, w.b)
-        assert slots.tables[name][0].scale == w.scale
-    assert slots.tables["0"][1] is None and torch.equal(slots.tables["1"][1].b, second.modules["1"].b)
+        assert torch.equal(slots.columns[name][0].a, w.a) and torch.equal(slots.columns[name][0].b, w.b)
+        assert slots.columns[name][0].scale == w.scale
+    assert slots.columns["0"][1] is None and torch.equal(slots.columns["1"][1].b, second.modules["1"].b)
     slots.install(0, second)  # replaced: the views are the new adapter's
-    assert slots.tables["0"][0] is None and torch.equal(slots.tables["1"][0].a, second.modules["1"].a)
+    assert slots.columns["0"][0] is None and torch.equal(slots.columns["1"][0].a, second.modules["1"].a)
     slots.clear(1)
-    assert all(slots.tables[name][1] is None for name in "012")
+    assert all(slots.columns[name][1] is None for name in "012")
     assert slots.pointers.targeted == frozenset({"1"})
 
 
@@ -143,17 +143,17 @@ def test_asking_for_a_layer_an_adapter_does_not_target_makes_no_views(monkeypatc
     target the head, the answer comes from its layout, without the per-module views of all its layers."""
     from torch import nn
 
-    from loraplex.lora.layers import LoraSlots
+    from loraplex.lora.table import AdapterTable
     from loraplex.lora.upload import Uploaded
 
     made = []
     views = Uploaded.weights
     monkeypatch.setattr(Uploaded, "weights", lambda self: made.append(self) or views(self))
     model = nn.Sequential(nn.Linear(24, 10), nn.Linear(7, 33), nn.Linear(64, 5))
-    slots = LoraSlots(model, num_slots=2, device=torch.device("cpu"), dtype=torch.float32, max_rank=16)
+    slots = AdapterTable(model, num_slots=2, device=torch.device("cpu"), dtype=torch.float32, max_rank=16)
     adapter = LoraAdapter("a", {"1": modules(11)["m1"]}, LoraConfig(r=16, lora_alpha=16)).packed()
     slots.install(0, adapter)
-    assert slots.tables["0"][0] is None and slots.tables["2"][0] is None and slots.tables["1"][1] is None
+    assert slots.columns["0"][0] is None and slots.columns["2"][0] is None and slots.columns["1"][1] is None
     assert made == []
-    assert torch.equal(slots.tables["1"][0].a, adapter.modules["1"].a) and len(made) == 1
-    assert slots.tables["1"][0] is slots.tables["1"][0] and len(made) == 1  # made once per install
+    assert torch.equal(slots.columns["1"][0].a, adapter.modules["1"].a) and len(made) == 1
+    assert slots.columns["1"][0] is slots.columns["1"][0] and len(made) == 1  # made once per install

@@ -27,8 +27,9 @@ from loraplex.checkpoints.sources import resolve_model
 from loraplex.checkpoints.weights import load_state_dict
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.loading import build_model, load_model
-from loraplex.lora.layers import LoraLinear, LoraSlots
 from loraplex.models.registry import config_from_hf
+from loraplex.lora.layers import LoraLinear
+from loraplex.lora.table import AdapterTable
 from loraplex.params import SamplingParams
 from loraplex.quantization import (
     QUANTIZE_CHOICES,
@@ -231,7 +232,7 @@ def test_lora_on_quantized_model_bfloat16(saved, tmp_path, mode):
     ours, config = ours_from_dir(path, torch.bfloat16, mode)
     reference = hf_quantized(path, mode, torch.bfloat16)
     trained = peft_model(reference, seed=7, r=8, lora_alpha=16, target_modules=targets)
-    shapes = LoraSlots(ours, 1, torch.device("cpu"), torch.bfloat16).base_shapes
+    shapes = AdapterTable(ours, 1, torch.device("cpu"), torch.bfloat16).base_shapes
     adapter = save_and_load(trained, tmp_path, "a", shapes)
     want = reference_logits(trained, PROMPT)
     got = full_logits(ours, config, PROMPT, adapter=adapter)

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraplex.layers.attention import (PagedAttention, TorchAttentionBackend, TritonAttentionBackend, _resumed_prompts,
-                                       visible_keys)
+from loraplex.layers.attention import PagedAttention, TorchAttentionBackend, TritonAttentionBackend, _resumed_prompts
 from loraplex.layers.forward_context import AttentionMetadata
 from loraplex.layers.kernels import varlen_prefill
+from loraplex.layers.masks import visible_keys
 
 BLOCK = 4
 # (new rows, tokens after the step): fresh, resumed over 30 cached, fresh, resumed over 17, fresh of one row, fresh

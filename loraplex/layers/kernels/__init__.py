@@ -2,40 +2,19 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from loraplex.environment import direct_launch_enabled
+from loraplex.kernels import direct_launches, triton_available
 from loraplex.layers.forward_context import in_graph_warm_up
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def triton_available(device: torch.device) -> bool:
-    """Whether Triton kernels can run on `device` (CUDA with Triton installed)."""
-    return device.type == "cuda" and _triton_importable()
-
-
-def direct_launches() -> bool:
-    """Whether Triton kernels launch directly (launch.py), as they do unless LORAPLEX_DIRECT_LAUNCH=0."""
-    return direct_launch_enabled()
 
 
 def fused_kernels_wanted(device: torch.device) -> bool:
     """Whether a layer should take its fused Triton kernel (elementwise.py, kv_write.py) rather than its torch ops.
 
-    On CUDA: in eager steps when kernels launch directly (launch.py: ~10 us of host time per launch, less than the
-    several torch ops each replaces, at ~6-30 us each; an RMSNorm is eight of them), and always while a CUDA graph is
-    captured, where a launch is paid once. Through Triton's own launch path (24-29 us) the torch ops cost an eager
-    step less. The eager pass before a capture (ForwardContext.graph_warm_up) takes them too, so that they are
+    On CUDA: in eager steps when kernels launch directly (kernels/launch.py: a direct launch costs less host time
+    than the several torch ops each replaces; an RMSNorm is eight of them), and always while a CUDA graph is
+    captured, where a launch is paid once. Through Triton's own launch path the torch ops cost an eager step
+    less. The eager pass before a capture (ForwardContext.graph_warm_up) takes them too, so that they are
     compiled and loaded before the capture starts."""
     return triton_available(device) and (
         direct_launches() or in_graph_warm_up() or torch.cuda.is_current_stream_capturing())

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from loraplex.layers.kernels.launch import Launcher
+from loraplex.kernels.launch import Launcher
 
 
 @triton.jit

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.layers.kernels.launch import Launcher
+from loraplex.kernels.launch import Launcher
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.layers.kernels.launch import Launcher
+from loraplex.kernels.launch import Launcher
 
 NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any sequence
 

@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from loraplex.layers.masks import visible_keys  # the reference's mask
+
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -70,8 +72,6 @@ def _aligned_to_the_end(device: torch.device, dtype: torch.dtype, head_dim: int,
     """Whether the kernel's causal mask (and sliding window) puts each sequence's queries at the end of its keys: two
     sequences of 1 query over 4 keys and 3 over 5, against SDPA with that mask written out (float32, from the same
     rounded values), without a window and with one of 2 keys."""
-    from loraplex.layers.attention import visible_keys  # the reference's mask
-
     g = torch.Generator(device=device).manual_seed(0)
     lens_q, lens_k = (1, 3), (4, 5)
     q = torch.randn(sum(lens_q), group, head_dim, generator=g, device=device).to(dtype)

@@ -12,7 +12,7 @@ The isolation rule (docs/architecture.md) holds for all: a row's delta is comput
 its own adapter's weights only, so a NaN or inf in one adapter never reaches another's rows.
 """
 
-from loraplex.lora.kernels.rows import SlotPointers, add_lora_rows_reference
+from loraplex.lora.kernels.rows import PointerTable, add_lora_rows_reference
 from loraplex.lora.kernels.segments import add_lora, add_lora_stacked
 
-__all__ = ["SlotPointers", "add_lora", "add_lora_rows_reference", "add_lora_stacked"]
+__all__ = ["PointerTable", "add_lora", "add_lora_rows_reference", "add_lora_stacked"]

@@ -1,5 +1,5 @@
 """The per-row LoRA form in Triton (BGMV): `out[i] += scale * (x[i] @ A.T) @ B.T` with row i's own slot's A and
-B, found through `SlotPointers`' tables, so one launch serves rows of any mix of adapters and ranks, and a CUDA
+B, found through `PointerTable`' tables, so one launch serves rows of any mix of adapters and ranks, and a CUDA
 graph that captured it reads whatever adapter a slot holds at replay.
 
 Two kernels, each launched once for up to three sibling layers that share their input (q/k/v, gate/up: the
@@ -25,11 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.layers.kernels.launch import Launcher
-from loraplex.lora.kernels.rows import SiblingLaunch, SlotPointers, sibling_launch, sibling_launch_at
+from loraplex.kernels.launch import Launcher
+from loraplex.lora.kernels.rows import PointerTable, SiblingLaunch, sibling_launch, sibling_launch_at
 
-# Launch shapes from a sweep on the H200 at Llama-8B's shapes (64 rows over 64 adapters and 32 over 8): the
-# kernels are short, so many small programs (eight per SM for the shrink) beat a few long ones.
+# Launch shapes from a sweep at Llama-8B's shapes (many rows over many adapters, and few over few): the kernels are
+# short, so many small programs (eight per SM for the shrink) beat a few long ones.
 BLOCK_K = 128  # input features per shrink iteration
 SHRINK_WARPS = 8
 BLOCK_N = 128  # output features per expand program
@@ -58,7 +58,7 @@ def _row_shrink_kernel(x_ptr, row_slots_ptr, pointers_ptr, ranks_ptr, partial_pt
     rank = tl.load(ranks_ptr + entry)
     if rank == 0:
         return
-    # A [rank, in], row-major. Its address comes from memory: say it is aligned (SlotPointers checks), or every
+    # A [rank, in], row-major. Its address comes from memory: say it is aligned (PointerTable checks), or every
     # load would be split into single elements.
     a_ptr = tl.multiple_of(tl.load(pointers_ptr + entry * 2).to(x_ptr.dtype), 16)
     ranks = tl.arange(0, RANK_P)
@@ -114,7 +114,7 @@ _shrink = Launcher(_row_shrink_kernel)
 _expand = Launcher(_row_expand_kernel)
 
 
-def add_lora_rows(out: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, tables: SlotPointers, name: str,
+def add_lora_rows(out: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, tables: PointerTable, name: str,
                   max_rank: int) -> torch.Tensor:
     """out [T, out] += each row's own delta; x [T, in] in the weights' dtype; row_slots [T] (-1: none)."""
     add_lora_rows_siblings([out], x, row_slots, tables, [name], max_rank)
@@ -122,7 +122,7 @@ def add_lora_rows(out: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, t
 
 
 def add_lora_rows_siblings(outs: Sequence[torch.Tensor], x: torch.Tensor, row_slots: torch.Tensor,
-                           tables: SlotPointers, names: Sequence[str], max_rank: int) -> None:
+                           tables: PointerTable, names: Sequence[str], max_rank: int) -> None:
     """outs[g] += each row's delta of layer names[g], for up to three layers that share the input x [T, in]; the
     outputs are column slices of one tensor [T, *] (one fused product's; a single output is its own)."""
     launch = sibling_launch(outs, x, tables, names, max_rank, x.shape[0], BLOCK_N, BLOCK_K, TARGET_PROGRAMS)
@@ -130,7 +130,7 @@ def add_lora_rows_siblings(outs: Sequence[torch.Tensor], x: torch.Tensor, row_sl
 
 
 def shrink_rows_at(offsets: Sequence[int], widths: Sequence[int], x: torch.Tensor, row_slots: torch.Tensor,
-                   tables: SlotPointers, names: Sequence[str], max_rank: int) -> RowShrink:
+                   tables: PointerTable, names: Sequence[str], max_rank: int) -> RowShrink:
     """The shrink of `add_lora_rows_siblings`, launched before its outputs exist: they will be the columns
     `offsets`, `widths` of one tensor (the base product's; the shrink reads only x, so it may run beside it)."""
     launch = sibling_launch_at(offsets, widths, x, tables, names, max_rank, x.shape[0], BLOCK_N, BLOCK_K,
@@ -145,7 +145,7 @@ class RowShrink:
     launch: SiblingLaunch
     partial: torch.Tensor
     row_slots: torch.Tensor
-    tables: SlotPointers
+    tables: PointerTable
 
     def expand(self, outs: Sequence[torch.Tensor]) -> None:
         """outs[g] += each row's delta (the outputs the shrink was planned for, in its order)."""
@@ -158,7 +158,7 @@ class RowShrink:
             SPLITS=launch.splits, RANK_P=launch.rank_p, BLOCK=BLOCK_N, num_warps=EXPAND_WARPS)
 
 
-def shrink_rows(x: torch.Tensor, row_slots: torch.Tensor, tables: SlotPointers, launch: SiblingLaunch) -> RowShrink:
+def shrink_rows(x: torch.Tensor, row_slots: torch.Tensor, tables: PointerTable, launch: SiblingLaunch) -> RowShrink:
     """Launches the shrink of x as `launch` plans it, into partial sums of its own."""
     rows = x.shape[0]
     partial = torch.empty(launch.count, rows, launch.splits, launch.rank_p, dtype=torch.float32,

@@ -1,11 +1,11 @@
 """The per-row LoRA form: each row names its adapter slot, and per-slot tables say where that slot's weights
 live on the device.
 
-`SlotPointers` holds, for every LoRA layer and slot, the addresses of the slot's A [r, in] and B.T [r, out] (each
+`PointerTable` holds, for every LoRA layer and slot, the addresses of the slot's A [r, in] and B.T [r, out] (each
 dense, row-major, 16-byte aligned: `lora/layout.py` lays them out so), its rank (0: the slot's adapter does not target the layer, or the slot is empty) and its scale.
 Installing an adapter rewrites its slot's entries and nothing else: a kernel that reads the tables (and a CUDA
 graph that captured it) sees the new adapter at its next launch, whatever its rank. The tables hold addresses
-only; the owner (`LoraSlots`) keeps the tensors alive while their slot holds them.
+only; the owner (`AdapterTable`) keeps the tensors alive while their slot holds them.
 
 `add_lora_rows_reference` is the plain torch definition of the form, from the weights themselves; the Triton
 kernel (`bgmv.py`) must match it.
@@ -24,7 +24,7 @@ from loraplex.lora.adapter import LoraWeights
 from loraplex.lora.upload import Uploaded
 
 
-class SlotPointers:
+class PointerTable:
     """Device tables, per layer (in `names` order) and slot: `pointers` [L, S, 2] int64 (A's and B's data
     pointers), `ranks` [L, S] int32, `scales` [L, S] float32. Host copies are the ones written; `set_slot` copies
     them to the device in one go."""
@@ -137,7 +137,7 @@ class SiblingLaunch:
     count: int
 
 
-def sibling_launch(outs: Sequence[torch.Tensor], x: torch.Tensor, tables: SlotPointers, names: Sequence[str],
+def sibling_launch(outs: Sequence[torch.Tensor], x: torch.Tensor, tables: PointerTable, names: Sequence[str],
                    max_rank: int, units: int, block_n: int, block_k: int, target_programs: int) -> SiblingLaunch:
     """The launch of `names`' deltas into `outs` for the input x [T, in]; `units` (rows or tiles) each take their
     share of `target_programs` shrink programs, the input split to reach it. Called per layer per step: the
@@ -157,7 +157,7 @@ def sibling_launch(outs: Sequence[torch.Tensor], x: torch.Tensor, tables: SlotPo
                  tuple(o.shape[1] for o in outs), in_features, max_rank, units, block_n, block_k, target_programs)
 
 
-def sibling_launch_at(offsets: Sequence[int], widths: Sequence[int], x: torch.Tensor, tables: SlotPointers,
+def sibling_launch_at(offsets: Sequence[int], widths: Sequence[int], x: torch.Tensor, tables: PointerTable,
                       names: Sequence[str], max_rank: int, units: int, block_n: int, block_k: int,
                       target_programs: int) -> SiblingLaunch:
     """`sibling_launch` for outputs that do not exist yet: the columns `offsets` (ascending) and `widths` of one

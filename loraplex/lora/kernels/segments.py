@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from loraplex.layers.forward_context import LoraGroups, LoraSegment
+from loraplex.lora.row_maps import LoraGroups, LoraSegment
 from loraplex.lora.adapter import LoraWeights
 
 

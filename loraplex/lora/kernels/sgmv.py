@@ -1,5 +1,5 @@
 """The tile form of per-row LoRA in Triton (SGMV; tiles.py says what a tile is): `out[i] += scale * (x[i] @ A.T) @
-B.T` for every row i of every tile, with the tile's slot's A and B found through `SlotPointers`' tables.
+B.T` for every row i of every tile, with the tile's slot's A and B found through `PointerTable`' tables.
 
 Two kernels, each launched once for up to three sibling layers that share their input, as `bgmv.py`'s are. Shrink:
 one program per (tile, split of the input features, layer) multiplies the tile's rows [TILE_ROWS, in] by A.T on
@@ -21,11 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.layers.kernels.launch import Launcher
-from loraplex.layers.forward_context import LoraTiles
+from loraplex.kernels.launch import Launcher
 from loraplex.lora.kernels.bgmv import _pick
-from loraplex.lora.kernels.rows import SlotPointers, sibling_launch
+from loraplex.lora.kernels.rows import PointerTable, sibling_launch
 from loraplex.lora.kernels.tiles import TILE_ROWS
+from loraplex.lora.row_maps import LoraTiles
 
 BLOCK_K = 64  # input features per shrink iteration
 BLOCK_N = 64  # output features per expand program
@@ -120,7 +120,7 @@ _shrink = Launcher(_tile_shrink_kernel)
 _expand = Launcher(_tile_expand_kernel)
 
 
-def add_lora_tiles_siblings(outs: Sequence[torch.Tensor], x: torch.Tensor, tiles: LoraTiles, tables: SlotPointers,
+def add_lora_tiles_siblings(outs: Sequence[torch.Tensor], x: torch.Tensor, tiles: LoraTiles, tables: PointerTable,
                             names: Sequence[str], max_rank: int) -> None:
     """outs[g] += each tiled row's delta of layer names[g], for up to three layers that share the input x [T, in];
     the outputs are column slices of one tensor [T, *] (one fused product's; a single output is its own)."""

@@ -4,7 +4,7 @@ adapter slot, each tile computed as one small matrix product against its slot's 
 Rows are ordered by adapter (the runner sorts them so), so each adapter's rows (a prompt's, several requests'
 decode rows) form one segment, and a segment becomes one or more tiles. A tile reads its adapter's weights once
 for all its rows, where the per-row form (`rows.py`, `bgmv.py`) reads them once per row: for a prompt of 500 rows,
-500 times. The weights are found through the same `SlotPointers` tables, so one launch serves any mix of adapters
+500 times. The weights are found through the same `PointerTable` tables, so one launch serves any mix of adapters
 and ranks. Rows in no tile (the base model's) are never written.
 
 This module builds the tiles (CPU-importable); `sgmv.py` holds the Triton kernels (CUDA only). The reference is the
@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from loraplex.layers.forward_context import LoraSegment, LoraTiles
+from loraplex.lora.row_maps import LoraSegment, LoraTiles
 
 # Rows per tile: the M of each tile's tensor-core product. A decode row alone in its tile wastes most of it, but
 # those products are tiny; a prompt's rows fill their tiles.

@@ -2,11 +2,10 @@
 `kernel[grid](*args, **kwargs)` does, with less host time.
 
 Triton's own launch path binds the arguments, builds a string key of the options, makes launch metadata and checks
-hooks on every call (24-29 us of host time per call measured on an H200 host); the compiled kernel's launcher
-itself takes 9-11 us. A Launcher keeps, per specialisation key, the `CompiledKernel` that Triton's path returned
-the first time (compiling it there, with every check Triton makes) and launches it directly after that. Measured:
-a q/k/v LoRA tile call (two launches) 45-66 us of host time against 56-79 us through Triton's path
-(`python -m benchmarks.lora_host_costs`); eager steps make ~120 such calls over 30 layers, besides paged decode's.
+hooks on every call, several times what the compiled kernel's own launcher takes. A Launcher keeps, per
+specialisation key, the `CompiledKernel` that Triton's path returned the first time (compiling it there, with every
+check Triton makes) and launches it directly after that. Eager steps make a few such calls per layer;
+`python -m benchmarks.lora_host_costs` measures both paths (figures in docs/benchmarks.md).
 
 The key holds what Triton specialises a kernel on, computed the way Triton computes it: each tensor's dtype and
 whether its address is 16-byte aligned; each other argument through Triton's own `native_specialize_impl` (ints:
@@ -26,7 +25,7 @@ from triton import knobs
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction
 
-from loraplex.layers.kernels import direct_launches
+from loraplex.kernels import direct_launches
 
 try:  # Triton's own specialisation of one argument (C++); absent from older releases
     from triton._C.libtriton import native_specialize_impl

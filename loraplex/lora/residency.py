@@ -1,4 +1,4 @@
-"""Device slots for adapters: which adapter holds which slot, and who may have one next. Pure Python.
+"""Adapter residency: which adapter holds which device slot, and who may have one next. Pure Python.
 
 - An adapter in a slot is pinned while any running request uses it; only unpinned slots are reused,
   least recently used first.
@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Callable
 
 
-class AdapterSlots:
+class AdapterResidency:
     def __init__(self, num_slots: int, cycle_time_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         assert num_slots >= 1
         self.num_slots = num_slots
