@@ -17,6 +17,7 @@ how much of the step's wall time the device was busy.
 from __future__ import annotations
 
 import bisect
+import functools
 import gc
 import gzip
 import json
@@ -35,8 +36,8 @@ DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 # Host phases of a step, timed in every step of the run: (object path from the engine, method, label).
 PHASES = (
-    ("scheduler", "schedule", "schedule"), ("", "_install", "install"), ("runner", "_build_batch", "batch"),
-    ("runner", "_lora_rows", "lora plan"), ("runner", "_forward", "forward"), ("runner", "_sample", "sample"),
+    ("scheduler", "schedule", "schedule"), ("", "_install", "install"), ("runner.batches", "build", "batch"),
+    ("runner", "_lora_rows", "lora plan"), ("runner.model_call", "forward", "forward"), ("runner", "_sample", "sample"),
     ("runner", "launch", "launch"), ("runner", "land", "land"), ("", "_update", "update"),
 )
 
@@ -60,7 +61,7 @@ class StepTracer:
     def __enter__(self) -> "StepTracer":
         self._wrap(self.engine, "step", None)
         for path, method, label in PHASES:
-            owner = getattr(self.engine, path) if path else self.engine
+            owner = functools.reduce(getattr, path.split("."), self.engine) if path else self.engine
             self._wrap(owner, method, label)
         gc.callbacks.append(self._on_gc)
         return self

@@ -60,7 +60,7 @@ class StagedInputs:
 
 
 class HostPicks:
-    """Pinned host copies of launched steps' greedy picks ([3, rows] float64, sampling.greedy_picks), copied from
+    """Pinned host copies of launched steps' greedy picks ([3, rows] float64, logits.greedy_picks), copied from
     the device asynchronously. Two buffers in turn: one step's picks are read while the next step's are copied."""
 
     def __init__(self, max_rows: int) -> None:

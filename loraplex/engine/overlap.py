@@ -27,7 +27,7 @@ from loraplex.engine.request import Request
 if TYPE_CHECKING:
     import torch
 
-    from loraplex.engine.runner import StepResult
+    from loraplex.engine.logits import StepResult
     from loraplex.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 PENDING = -1  # an output token a launched step is computing

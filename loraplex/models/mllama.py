@@ -25,6 +25,7 @@ from loraplex.config import ModelConfig
 from loraplex.layers.encoder_attention import CrossAttention
 from loraplex.layers.norms import RMSNorm
 from loraplex.layers.rotary import RotaryEmbedding
+from loraplex.models.base import ModelFamily, ModelInputs
 from loraplex.models.llama import LlamaDecoderLayer, LlamaMLP
 from loraplex.models.mllama_vision import VISION_CHECKPOINT_RENAMES, MllamaImageEncoder
 
@@ -116,7 +117,9 @@ class MllamaModel(MllamaImageEncoder):
         self.language_model = MllamaTextModel(config)
 
 
-class MllamaForConditionalGeneration(nn.Module):
+class MllamaForConditionalGeneration(nn.Module, ModelFamily):
+    inputs = ModelInputs.TEXT | ModelInputs.IMAGE_STATES
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         assert config.mllama is not None, "an mllama config has its cross-attention and vision settings"
