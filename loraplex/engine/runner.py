@@ -205,10 +205,10 @@ class ModelRunner:
                 self._sample(scheduled, sample_seqs, hidden, starts, lora, results, masks)
             for i, item in enumerate(scheduled):
                 if wants_prompt_logprobs(item.request):
-                    slot = item.request.adapter_slot
-                    results[i].prompt_logprobs = prompt_logprobs(
-                        item, hidden[starts[i] : starts[i + 1]], lambda rows: self._logits(rows, lora, [slot], [rows.shape[0]])
-                    )
+                    def head(rows: torch.Tensor, slot: int | None = item.request.adapter_slot) -> torch.Tensor:
+                        return self._logits(rows, lora, [slot], [rows.shape[0]])
+
+                    results[i].prompt_logprobs = prompt_logprobs(item, hidden[starts[i] : starts[i + 1]], head)
         return results
 
     def _graphable(self, scheduled: list[ScheduledRequest]) -> bool:
@@ -241,7 +241,9 @@ class ModelRunner:
         logits = self._logits(hidden[torch.tensor(rows, device=self.device)], lora, slots, counts)
         self.logits.sample(scheduled, seqs, counts, logits, results, masks)
 
-    def _logits(self, hidden: torch.Tensor, lora: LoraRows | None, slots: list[int | None], counts: list[int]) -> torch.Tensor:
+    def _logits(
+        self, hidden: torch.Tensor, lora: LoraRows | None, slots: list[int | None], counts: list[int]
+    ) -> torch.Tensor:
         """The head over `hidden` rows: counts[i] of them with adapter slots[i]."""
         self._set_logits_rows(lora, slots, counts)
         return self.model.compute_logits(hidden)
