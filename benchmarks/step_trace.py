@@ -36,8 +36,8 @@ DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 # Host phases of a step, timed in every step of the run: (object path from the engine, method, label).
 PHASES = (
-    ("scheduler", "schedule", "schedule"), ("", "_install", "install"), ("runner", "_build_batch", "batch"),
-    ("runner.lora_planner", "plan", "lora plan"), ("runner", "_forward", "forward"), ("runner", "_sample", "sample"),
+    ("scheduler", "schedule", "schedule"), ("", "_install", "install"), ("runner.batches", "build", "batch"),
+    ("runner.lora_planner", "plan", "lora plan"), ("runner.model_call", "forward", "forward"), ("runner", "_sample", "sample"),
     ("runner", "launch", "launch"), ("runner", "land", "land"), ("", "_update", "update"),
 )
 

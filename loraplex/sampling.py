@@ -102,24 +102,6 @@ class Sampler:
         )
 
 
-def takes_plain_argmax(params: SamplingParams) -> bool:
-    """Whether a row with these parameters gets the argmax of its raw logits (greedy, no penalty, no reported
-    alternatives): what `greedy_picks` computes."""
-    return (params.greedy and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0 and params.top_n_tokens == 0)
-
-
-def greedy_picks(logits: torch.Tensor) -> torch.Tensor:
-    """[3, rows] float64: each row's argmax token, its logprob, and 1.0 where every logit of the row is finite. For
-    rows that `takes_plain_argmax`, the token and logprob are what `Sampler` returns, by the same ops (a CUDA graph
-    computes them with its logits, and the host reads one small tensor)."""
-    x = logits.float()
-    tokens = x.argmax(dim=1)
-    chosen = torch.log_softmax(x, dim=1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-    finite = torch.isfinite(x).all(dim=1)
-    return torch.stack((tokens.double(), chosen.double(), finite.double()))
-
-
 def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits)[i, next_ids[i]]`` in float32, computed a chunk of rows at a time."""
     next_ids = next_ids.to(device=logits.device, dtype=torch.long)

@@ -96,7 +96,7 @@ def full_logits(
     runner = ModelRunner(model, config.num_layers, config.num_kv_heads, config.head_dim, 64, 16, torch.device(device), dtype)
     request = Request("probe", list(token_ids), SamplingParams(max_new_tokens=1), 0, 0.0)
     request.block_ids = list(range(-(-len(token_ids) // 16)))
-    batch = runner._build_batch([ScheduledRequest(request, len(token_ids))])
+    batch = runner.batches.build([ScheduledRequest(request, len(token_ids))])
     lora = _all_rows_on(adapter, model, len(token_ids), 0, device, dtype)
     with forward_context(ForwardContext(batch.metadata, runner.kv_caches, runner.backend, lora)):
         hidden = model(batch.input_ids, batch.positions)
@@ -118,10 +118,10 @@ def encoder_decoder_logits(
     own = -(-len(decoder_ids) // 16)
     request.block_ids = list(range(own))
     request.cross_block_ids = list(range(own, own + -(-len(encoder_ids) // 16)))
-    batch = runner._build_batch([ScheduledRequest(request, len(decoder_ids))])
+    batch = runner.batches.build([ScheduledRequest(request, len(decoder_ids))])
     lora = _all_rows_on(adapter, model, len(decoder_ids), len(encoder_ids), device, dtype)
     with forward_context(ForwardContext(batch.metadata, runner.kv_caches, runner.backend, lora)):
-        hidden = runner._forward([ScheduledRequest(request, len(decoder_ids))], batch, lora)
+        hidden = runner.model_call.forward([ScheduledRequest(request, len(decoder_ids))], batch, lora)
         return model.compute_logits(hidden).float()
 
 
@@ -303,9 +303,9 @@ def image_model_logits(engine, token_ids: list[int], images=None) -> torch.Tenso
     scheduled = engine.scheduler.schedule().scheduled
     assert [s.request for s in scheduled] == [request] and scheduled[0].num_new_tokens == len(token_ids)
     runner = engine.runner
-    batch = runner._build_batch(scheduled)
+    batch = runner.batches.build(scheduled)
     with forward_context(ForwardContext(batch.metadata, runner.kv_caches, runner.backend, None)):
-        logits = engine.runner.model.compute_logits(runner._forward(scheduled, batch, None)).float()
+        logits = engine.runner.model.compute_logits(runner.model_call.forward(scheduled, batch, None)).float()
     engine.abort_request(request.request_id)
     return logits
 

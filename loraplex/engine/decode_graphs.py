@@ -34,10 +34,11 @@ import torch
 from torch import nn
 
 from loraplex.engine.graph_inputs import StagedInputs
+from loraplex.engine.logits import greedy_picks
 from loraplex.layers.forward_context import AttentionMetadata, DecodeGroup, ForwardContext, forward_context
 from loraplex.lora.plan import per_row_plan
 from loraplex.lora.table import AdapterTable
-from loraplex.sampling import greedy_picks
+from loraplex.models.base import ModelInputs
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 # Rows of the static input table: the first five are staged from the host each step; _PICKED holds the last
@@ -45,6 +46,12 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 # (_IDS * width + i) or a picked token (_PICKED * width + row of the last replay).
 _IDS, _POSITIONS, _SLOTS, _LENS, _ADAPTERS, _INDEX, _PICKED = range(7)
 _STAGED = _INDEX + 1
+
+
+def graphable_family(inputs: ModelInputs) -> bool:
+    """Whether a family's decode steps can be graphed: not when its cross-attention reads per-request states
+    (an encoder's output, image states), which the graph's static inputs do not hold."""
+    return not (inputs & (ModelInputs.ENCODER | ModelInputs.IMAGE_STATES))
 
 
 class DecodeGraphs:
@@ -66,7 +73,7 @@ class DecodeGraphs:
         self._inputs = StagedInputs(self._static[:_STAGED], self._tables)
         self._arange = torch.arange(largest, device=device)
         self._pool = None
-        # (bucket, LoRA layers) -> the graph, its logits and its greedy picks (sampling.greedy_picks)
+        # (bucket, LoRA layers) -> the graph, its logits and its greedy picks (logits.greedy_picks)
         self._graphs: dict[tuple[int, frozenset[str] | None], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
     @property
@@ -81,7 +88,7 @@ class DecodeGraphs:
             adapter_slots: Sequence[int | None], picked_rows: Sequence[int] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [rows, vocab] of one decode row per sequence (position p writes its key and value at block
-        block_tables[i][p // block_size]), and their greedy picks [3, rows] (`sampling.greedy_picks`: the
+        block_tables[i][p // block_size]), and their greedy picks [3, rows] (`logits.greedy_picks`: the
         argmax, its logprob, whether the row is finite); `adapter_slots`: each row's LoRA slot or None.
         `picked_rows[i]` >= 0: row i's input is the token the last replay picked for that row, not input_ids[i]."""
         rows = len(input_ids)

@@ -18,6 +18,7 @@ import torch
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.containment import execute_contained, writers_of
 from loraplex.engine.grammar_masks import GrammarMasks
+from loraplex.engine.grammars import GrammarError, GrammarLimits, Grammars, GrammarTooCostly, advance
 from loraplex.engine.image_states import with_state_layout
 from loraplex.engine.images import ImageInputs
 from loraplex.engine.kv_cache import blocks_for
@@ -27,7 +28,8 @@ from loraplex.engine.prefix_cache import root_key
 from loraplex.engine.request import FinishReason, Request, RequestRefused, RequestStatus
 from loraplex.engine.decode_graphs import BATCH_SIZES as GRAPH_BATCH_SIZES
 from loraplex.engine.joins import WaitingJoins
-from loraplex.engine.runner import ForcedTokens, GraphSettings, ModelRunner, StepResult
+from loraplex.engine.logits import ForcedTokens
+from loraplex.engine.runner import GraphSettings, ModelRunner, StepResult
 from loraplex.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from loraplex.engine.speculative import SpecDecodeCounters, drafts_for
 from loraplex.engine.verification import SampledToken
@@ -35,7 +37,6 @@ from loraplex.engine.warm_up import WarmUpReport, warm_up
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.table import AdapterTable
 from loraplex.params import GrammarSpec, SamplingParams, TokenInfo
-from loraplex.structured import GrammarError, GrammarLimits, Grammars, GrammarTooCostly, advance
 from loraplex.tokenizer import IncrementalDetokenizer, find_stop
 
 

@@ -2,10 +2,9 @@
 picks, copied back to the host without waiting (HostPicks).
 
 Each step rewrites a few numbers per row (token, position, cache slot, length, adapter slot) and the rows' block
-tables. Built as fresh tensors from Python lists, with a blocking copy each, they cost 0.66 ms of host time per
-step at 64 rows of 1k context on the H200 machine, while the GPU waited. Here they are written into pinned host
-buffers that keep their contents from step to step (a row's block table only where it changed: a running
-request's table only grows) and copied to the device asynchronously.
+tables. Built as fresh tensors from Python lists, with a blocking copy each, they would cost host time the GPU
+waits for. Here they are written into pinned host buffers that keep their contents from step to step (a row's
+block table only where it changed: a running request's table only grows) and copied to the device asynchronously.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ class StagedInputs:
 
 
 class HostPicks:
-    """Pinned host copies of launched steps' greedy picks ([3, rows] float64, sampling.greedy_picks), copied from
+    """Pinned host copies of launched steps' greedy picks ([3, rows] float64, logits.greedy_picks), copied from
     the device asynchronously. Two buffers in turn: one step's picks are read while the next step's are copied."""
 
     def __init__(self, max_rows: int) -> None:

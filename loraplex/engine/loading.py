@@ -63,12 +63,12 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor]) -> nn.Modul
             model = model_class(config)(replace(config, tie_word_embeddings=False))
     # A family may name tensors its checkpoints can lack (zeros then, as transformers initialises BART's
     # final_logits_bias) and ones they can hold that it does not use (fairseq's `version`).
-    for name in getattr(model, "optional_checkpoint_tensors", ()):
+    for name in model.optional_checkpoint_tensors:
         if name not in state:
             like = model.get_buffer(name) if name in dict(model.named_buffers()) else model.get_parameter(name)
             weights = next(t for t in state.values() if t.is_floating_point())  # the loaded dtype and device
             state = {**state, name: torch.zeros(like.shape, dtype=weights.dtype, device=weights.device)}
-    load_into(model, state, ignore_patterns=getattr(model, "unused_checkpoint_tensors", ()))
+    load_into(model, state, ignore_patterns=model.unused_checkpoint_tensors)
     return model.eval()
 
 
@@ -76,8 +76,7 @@ def _head_differs_in(state: dict[str, torch.Tensor], model: nn.Module) -> bool:
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     if head is None:
         return False
-    rename = getattr(model, "checkpoint_name", None) or (lambda name: name)
-    by_name = {rename(key): key for key in state}
+    by_name = {model.checkpoint_name(key): key for key in state}
     tied = [state[by_name[n]] for n, t in model.state_dict(keep_vars=True).items() if t is head and n in by_name]
     return any(t.shape != tied[0].shape or not torch.equal(t, tied[0]) for t in tied[1:])
 
@@ -85,7 +84,7 @@ def _head_differs_in(state: dict[str, torch.Tensor], model: nn.Module) -> bool:
 def float32_names(config: ModelConfig, dtype: torch.dtype):
     """Which checkpoint tensors stay float32 in half precision (the family's `keep_in_float32` modules,
     as transformers keeps T5's `wo`); None when nothing does."""
-    keep = getattr(model_class(config), "keep_in_float32", ())
+    keep = model_class(config).keep_in_float32
     if not keep or dtype not in (torch.float16, torch.bfloat16):
         return None
     return lambda name: any(part in keep for part in name.split(".")[:-1])

@@ -1,11 +1,11 @@
 """Overlapped decode steps: step N+1 is launched before the host has read step N's tokens.
 
-A graphed decode step keeps the GPU busy for a few milliseconds; scheduling the next step, staging its inputs,
-reading the tokens and updating the requests (detokenizing, stop checks) took 0.2 ms (one row) to 1.9 ms (64 rows
-over 64 adapters) on the H200 machine, while the GPU waited. With overlap the engine launches a step that needs
-no token from the host (every row decodes its plain argmax, engine/runner.py `launchable`) and returns at once;
-at the next `step()` it schedules and launches the following step, whose rows take their input tokens from the
-launched step's picks on the device (engine/decode_graphs.py), and only then reads the first step's tokens.
+A graphed decode step is short; scheduling the next step, staging its inputs, reading the tokens and updating
+the requests (detokenizing, stop checks) is host work the GPU would otherwise wait for. With overlap the engine
+launches a step that needs no token from the host (every row decodes its plain argmax: `logits.plain_argmax`,
+engine/runner.py `launchable`) and returns at once; at the next `step()` it schedules and launches the following
+step, whose rows take their input tokens from the launched step's picks on the device (engine/decode_graphs.py),
+and only then reads the first step's tokens.
 
 Until a launched step is read, each of its requests counts its token as computed and holds a placeholder for it
 at the end of `output_ids` (`Request.num_pending`), so the scheduler plans the next step as if the token were
@@ -27,7 +27,7 @@ from loraplex.engine.request import Request
 if TYPE_CHECKING:
     import torch
 
-    from loraplex.engine.runner import StepResult
+    from loraplex.engine.logits import StepResult
     from loraplex.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 PENDING = -1  # an output token a launched step is computing

@@ -23,7 +23,6 @@ import torch
 
 from loraplex.params import SamplingParams
 from loraplex.sampling import Sampler
-from loraplex.structured import apply_masks
 
 
 @dataclass
@@ -70,28 +69,3 @@ def sample_verified(
         kept.append([SampledToken(out.token_ids[r], out.logprobs[r], out.top_tokens[r]) for r in rows])
         first += len(d) + 1
     return kept
-
-
-def apply_grammar_masks(
-    logits: torch.Tensor, matchers: Sequence, drafts: Sequence[Sequence[int]], first_rows_masked: bool = False
-) -> None:
-    """Mask each constrained request's rows (matcher None: unconstrained): row j with the grammar state after
-    drafts[:j], from a copy of the matcher advanced draft by draft (the request's own matcher only ever takes
-    kept tokens). The drafts must be ones the grammar takes (see `speculative.drafts_within_grammar`). `first_rows_masked`:
-    each request's first row is masked already (engine/grammar_masks.py, while the model ran)."""
-    firsts = [0]
-    for d in drafts:
-        firsts.append(firsts[-1] + len(d) + 1)
-    if not first_rows_masked:
-        first_rows = [None] * firsts[-1]
-        for i, matcher in enumerate(matchers):
-            first_rows[firsts[i]] = matcher
-        apply_masks(logits, first_rows)  # every request's first row, in one batch
-    for i, matcher in enumerate(matchers):
-        if matcher is None or not drafts[i]:
-            continue
-        ahead = matcher.deep_copy()
-        for j, token in enumerate(drafts[i], start=1):
-            assert ahead.consume_token(token), "a draft the grammar refuses: drafts_within_grammar cuts those"
-            row = firsts[i] + j
-            apply_masks(logits[row : row + 1], [ahead])

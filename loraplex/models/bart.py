@@ -32,6 +32,7 @@ from torch import nn
 from loraplex.config import BartSettings, EncoderDecoderConfig, ModelConfig, RopeConfig
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.encoder_attention import CrossAttention, EncoderAttention
+from loraplex.models.base import ModelFamily, ModelInputs
 from loraplex.models.hf_config import require, token_id, token_ids
 from loraplex.models.t5 import ACTIVATIONS
 
@@ -148,7 +149,8 @@ class BartModel(nn.Module):
         self.decoder = BartStack(config, self.shared, decoder=True)
 
 
-class BartForConditionalGeneration(nn.Module):
+class BartForConditionalGeneration(nn.Module, ModelFamily):
+    inputs = ModelInputs.TEXT | ModelInputs.ENCODER
     optional_checkpoint_tensors = ("final_logits_bias",)  # zeros when absent, as transformers leaves it
     unused_checkpoint_tensors = (r"^model\.(encoder|decoder)\.version$",)  # fairseq-era keys
 

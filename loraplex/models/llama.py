@@ -19,6 +19,7 @@ from loraplex.layers.attention import PagedAttention
 from loraplex.layers.norms import RMSNorm
 from loraplex.layers.projections import project
 from loraplex.layers.rotary import RotaryEmbedding, apply_rotary
+from loraplex.models.base import ModelFamily, ModelInputs
 from loraplex.models.hf_config import rope_from_hf
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -110,7 +111,9 @@ class LlamaModel(nn.Module):
         return self.norm.add_and_norm(output, x)[0] if output is not None else self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(nn.Module, ModelFamily):
+    inputs = ModelInputs.TEXT
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config

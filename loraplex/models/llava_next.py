@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from loraplex.config import ModelConfig, VisionConfig
+from loraplex.models.base import ModelFamily, ModelInputs
 from loraplex.models.clip import VISION_ACTIVATIONS, CLIPVisionModel
 from loraplex.models.hf_config import normalised, require
 from loraplex.models.llama import LLAMA_FAMILY, LlamaModel, llama_config_from_hf
@@ -96,7 +97,9 @@ class LlavaNextModel(nn.Module):
         self.language_model = LlamaModel(config)
 
 
-class LlavaNextForConditionalGeneration(nn.Module):
+class LlavaNextForConditionalGeneration(nn.Module, ModelFamily):
+    inputs = ModelInputs.TEXT | ModelInputs.IMAGE_FEATURES
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         assert config.vision is not None, "a llava_next config has a vision part"

@@ -27,6 +27,7 @@ from loraplex.config import MllamaSettings, ModelConfig
 from loraplex.layers.encoder_attention import CrossAttention
 from loraplex.layers.norms import RMSNorm
 from loraplex.layers.rotary import RotaryEmbedding
+from loraplex.models.base import ModelFamily, ModelInputs
 from loraplex.models.hf_config import normalised, require
 from loraplex.models.llama import LlamaDecoderLayer, LlamaMLP, llama_config_from_hf
 from loraplex.models.mllama_vision import VISION_CHECKPOINT_RENAMES, MllamaImageEncoder, vision_config_from_hf
@@ -119,7 +120,9 @@ class MllamaModel(MllamaImageEncoder):
         self.language_model = MllamaTextModel(config)
 
 
-class MllamaForConditionalGeneration(nn.Module):
+class MllamaForConditionalGeneration(nn.Module, ModelFamily):
+    inputs = ModelInputs.TEXT | ModelInputs.IMAGE_STATES
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         assert config.mllama is not None, "an mllama config has its cross-attention and vision settings"

@@ -21,6 +21,7 @@ from loraplex.config import ModelConfig, MptConfig, RopeConfig
 from loraplex.layers.alibi import alibi_slopes
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.norms import RMSNorm
+from loraplex.models.base import ModelFamily, ModelInputs
 from loraplex.models.hf_config import require
 
 
@@ -108,7 +109,9 @@ class MptModel(nn.Module):
         return self.norm_f(x)
 
 
-class MptForCausalLM(nn.Module):
+class MptForCausalLM(nn.Module, ModelFamily):
+    inputs = ModelInputs.TEXT
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         if config.mpt is None:

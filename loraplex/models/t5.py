@@ -29,6 +29,7 @@ from loraplex.config import EncoderDecoderConfig, ModelConfig, RopeConfig, T5Set
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.encoder_attention import CrossAttention, EncoderAttention
 from loraplex.layers.relative_position import RelativePositionBias
+from loraplex.models.base import ModelFamily, ModelInputs
 from loraplex.models.hf_config import require, token_id, token_ids
 
 ACTIVATIONS = {
@@ -202,7 +203,8 @@ class T5Stack(nn.Module):
         return self.final_layer_norm(x)
 
 
-class T5ForConditionalGeneration(nn.Module):
+class T5ForConditionalGeneration(nn.Module, ModelFamily):
+    inputs = ModelInputs.TEXT | ModelInputs.ENCODER
     keep_in_float32 = ("wo",)  # module names whose weights stay float32 in half precision (transformers' list)
     keep_unquantized = ("wo",)  # and stay unquantized, as transformers' bitsandbytes loading does
 

@@ -112,7 +112,7 @@ def test_an_adapter_whose_install_raises_fails_only_its_requests(make_engine, jo
 
 def test_a_request_whose_sampling_raises_fails_alone(make_engine, jobs, solo, prompts, adapters, monkeypatch):
     engine = make_engine()
-    sampler = engine.runner.sampler
+    sampler = engine.runner.logits.sampler
     calls = []
 
     def failing_sampler(logits, params, prompt_ids, output_ids, seeds):
@@ -121,7 +121,7 @@ def test_a_request_whose_sampling_raises_fails_alone(make_engine, jobs, solo, pr
             raise RuntimeError("injected sampler failure")
         return sampler(logits, params, prompt_ids, output_ids, seeds)
 
-    monkeypatch.setattr(engine.runner, "sampler", failing_sampler)
+    monkeypatch.setattr(engine.runner.logits, "sampler", failing_sampler)
     bad = [(prompts[1], POISONED, None), (prompts[2], POISONED, adapters["name-nova"])]  # beside their own adapters
     outs = run(engine, [*jobs, *bad])
     assert [o.token_ids for o in outs[: len(jobs)]] == solo

@@ -15,12 +15,11 @@ import pytest
 import torch
 
 from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.grammar_masks import apply_grammar_masks, apply_masks
 from loraplex.engine.speculative import drafts_within_grammar
-from loraplex.engine.verification import apply_grammar_masks
 from loraplex.lora.store import AdapterStore
 from loraplex.params import GrammarSpec, SamplingParams
 from loraplex.server.metrics import Metrics
-from loraplex.structured import apply_masks
 from tests.engine.speculation import StepLog, run_to_end
 from tests.models.conftest import one_thread  # noqa: F401 — the fixture, for usefixtures below
 

@@ -22,7 +22,7 @@ from loraplex.engine.engine import Engine, RequestRefused
 from loraplex.engine.request import FinishReason
 from loraplex.lora.store import AdapterStore
 from loraplex.params import GrammarSpec, SamplingParams
-from loraplex.structured import Grammars
+from loraplex.engine.grammars import Grammars
 
 ADAPTERS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "adapters"
 

@@ -111,8 +111,8 @@ def test_plain_greedy_steps_take_the_graphs_own_picks_with_the_samplers_tokens_a
     graphed = engine_for(ours, config, device=DEVICE, dtype=torch.float32)
     eager = engine_for(ours, config, device=DEVICE, dtype=torch.float32, cuda_graphs=False)
     sampled_steps = []
-    sample = graphed.runner._sample_logits
-    monkeypatch.setattr(graphed.runner, "_sample_logits", lambda *a, **k: sampled_steps.append(1) or sample(*a, **k))
+    sample = graphed.runner.logits.sample
+    monkeypatch.setattr(graphed.runner.logits, "sample", lambda *a, **k: sampled_steps.append(1) or sample(*a, **k))
     batch = prompts(6, config.vocab_size, seed=3)
     plain = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     penalised = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=1.3)

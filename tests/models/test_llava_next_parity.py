@@ -126,7 +126,7 @@ def paged_logits(model, config: ModelConfig, ids, pixel_values=None, image_sizes
     )
     request = Request("probe", list(ids), SamplingParams(max_new_tokens=1), 0, 0.0)
     request.block_ids = list(range(-(-len(ids) // 16)))
-    batch = runner._build_batch([ScheduledRequest(request, len(ids))])
+    batch = runner.batches.build([ScheduledRequest(request, len(ids))])
     embeds = model.embed_tokens(batch.input_ids)
     if features is None and pixel_values is not None:
         features = torch.cat(model.encode_images(pixel_values, image_sizes))

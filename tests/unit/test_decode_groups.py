@@ -1,6 +1,6 @@
 """The runner's grouping of decode sequences by length."""
 
-from loraplex.engine.runner import group_by_length
+from loraplex.engine.batch import group_by_length
 
 
 def test_decode_groups_keep_lengths_close():
@@ -23,14 +23,14 @@ def test_a_backend_reading_the_cache_in_place_takes_every_decode_row_in_one_grou
         if one_group:
             engine.runner.backend.pads_decode_groups = False
         groups_per_step = []
-        build = engine.runner._build_batch
+        build = engine.runner.batches.build
 
         def counting_build(*args, **kwargs):
             batch = build(*args, **kwargs)
             groups_per_step.append(len(batch.metadata.decode_groups))
             return batch
 
-        engine.runner._build_batch = counting_build
+        engine.runner.batches.build = counting_build
         params = SamplingParams(max_new_tokens=6, ignore_eos=True)
         requests = [engine.add_request(list(range(5, 5 + n)), params) for n in (3, 90)]
         engine.step()

@@ -3,11 +3,10 @@ model's tokenizer, one matcher per request.
 
 `Grammars.compile(spec)` checks and compiles a request's `GrammarSpec` once per distinct spec (cached, within
 `GrammarLimits`) and raises `GrammarError` naming the problem; `Grammars.matcher(spec)` deep-copies the
-compiled matcher for one request. Each step the runner masks every constrained row's logits to the tokens its
-matcher allows, before sampling, greedy and sampled rows alike (engine/grammar_masks.py fills the masks while
-the model runs; `apply_masks` here is the plain form, for draft rows); the engine feeds each sampled
-token to the matcher (`advance`), and the request ends when the matcher says the grammar is complete and its
-end-of-sequence token came.
+compiled matcher for one request. Each step the logits pipeline masks every constrained row's logits to the
+tokens its matcher allows, before sampling, greedy and sampled rows alike (engine/grammar_masks.py); the engine
+feeds each sampled token to the matcher (`advance`), and the request ends when the matcher says the grammar is
+complete and its end-of-sequence token came.
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
-
-import torch
 
 from loraplex.params import GrammarSpec
 
@@ -145,29 +142,6 @@ class Grammars:
                 f"{spec.kind} took {elapsed:.1f} s to compile; must be <= {limit:g} s (grammar compile timeout)"
             )
         return compiled
-
-
-def apply_masks(logits: torch.Tensor, matchers: list) -> None:
-    """Set to -inf, in place, every logit of a row whose matcher (None: unconstrained) does not allow that token."""
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
-        return
-    import llguidance.torch as lt
-
-    bitmask = lt.allocate_token_bitmask(len(rows), logits.shape[1])
-    for j, i in enumerate(rows):
-        lt.fill_next_token_bitmask(matchers[i], bitmask, j)
-    mask_rows(logits, rows, bitmask)
-
-
-def mask_rows(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
-    """Apply llguidance bitmask row j to logits row rows[j], in place (disallowed tokens become -inf)."""
-    import llguidance.torch as lt
-
-    index = torch.tensor(rows, device=logits.device)
-    constrained = logits.index_select(0, index)
-    lt.apply_token_bitmask_inplace(constrained, bitmask.to(logits.device))
-    logits.index_copy_(0, index, constrained)
 
 
 def advance(matcher, token_id: int) -> str | None:
