@@ -3,7 +3,7 @@
 import pytest
 
 from loraplex.models.base import EncoderDecoderModel, ImageFeatureModel, ImageStateModel, ModelFamily, ModelInputs
-from loraplex.models.registry import MODEL_CLASSES
+from loraplex.models.registry import FAMILIES
 
 PROMISES = {
     ModelInputs.ENCODER: EncoderDecoderModel,
@@ -17,7 +17,7 @@ def _members(protocol) -> set[str]:
     return {name for name in own if not name.startswith("_")}
 
 
-@pytest.mark.parametrize("family", sorted(set(MODEL_CLASSES.values()), key=lambda c: c.__name__))
+@pytest.mark.parametrize("family", sorted({f.model_class for f in FAMILIES.values()}, key=lambda c: c.__name__))
 def test_a_family_declares_its_inputs_and_has_what_they_promise(family):
     assert ModelFamily in family.__mro__  # the defaults of what only some families have
     assert "inputs" in vars(family) and ModelInputs.TEXT in family.inputs
