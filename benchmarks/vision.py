@@ -21,7 +21,7 @@ from time import perf_counter
 
 import torch
 
-from loraplex.engine.images import ImageInputs
+from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.params import SamplingParams
 from loraplex.vision_example import QUESTIONS, make_shape_image, user_message
 

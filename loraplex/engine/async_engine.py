@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from loraplex.engine.engine import Engine, RequestOutput, RequestRefused
-from loraplex.engine.images import ImageInputs
+from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.params import GrammarSpec, SamplingParams
 

@@ -19,7 +19,7 @@ from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.containment import execute_contained, writers_of
 from loraplex.engine.grammar_masks import GrammarMasks
 from loraplex.engine.image_states import with_state_layout
-from loraplex.engine.images import ImageInputs
+from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.engine.kv_cache import blocks_for
 from loraplex.engine.loading import LoadedModel, load_model
 from loraplex.engine.overlap import PENDING, InFlight, drop_placeholders, in_flight

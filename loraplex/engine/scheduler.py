@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from loraplex.engine.joins import WaitingJoins
 from loraplex.engine.kv_cache import BlockAllocator, blocks_for
 from loraplex.engine.prefix_cache import block_hashes
-from loraplex.engine.request import FinishReason, Request, RequestStatus
+from loraplex.engine.request import Request, RequestStatus
+from loraplex.params import FinishReason
 from loraplex.lora.slots import AdapterSlots
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from loraplex.engine.images import ImageInputs
+from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.multimodal import load_images
 from loraplex.server.errors import BadRequest
 from loraplex.server.state import ServerState

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from loraplex.engine.request import FinishReason
+from loraplex.params import FinishReason
 from loraplex.server import request_log
 
 if TYPE_CHECKING:

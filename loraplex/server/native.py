@@ -29,7 +29,7 @@ from loraplex.protocol.native import (
     Token,
     TokenizeRequest,
 )
-from loraplex.engine.images import ImageInputs
+from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.multimodal import split_markdown_images
 from loraplex.protocol.errors import Unsupported
 from loraplex.server.docs import EVENTS, JSON_OR_EVENTS

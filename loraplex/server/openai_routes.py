@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from loraplex.engine.engine import RequestOutput
-from loraplex.engine.images import ImageInputs
+from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.params import SamplingParams, TokenInfo
 from loraplex.protocol.openai import (

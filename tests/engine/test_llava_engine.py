@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.images import ImageInputs
+from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.lora.adapter import load_adapter_dir
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for

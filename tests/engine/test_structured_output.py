@@ -12,8 +12,7 @@ import pytest
 
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine, RequestRefused
-from loraplex.engine.request import FinishReason
-from loraplex.params import GrammarSpec, SamplingParams
+from loraplex.params import FinishReason, GrammarSpec, SamplingParams
 
 SCHEMA = {
     "type": "object",

@@ -12,7 +12,7 @@ import torch
 
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
-from loraplex.engine.images import ImageInputs
+from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.mllama_example import EXAMPLE_MLLAMA_MODEL_ID, example_mllama_dir
 from loraplex.params import SamplingParams
 from loraplex.vision_example import make_shape_image
