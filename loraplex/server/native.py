@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loraplex import __version__
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.store import MergeSpec
 from loraplex.params import SamplingParams

@@ -11,7 +11,8 @@ import re
 import pytest
 
 from loraplex.config import EngineConfig
-from loraplex.engine.engine import Engine, RequestRefused
+from loraplex.engine.engine import Engine
+from loraplex.engine.request import RequestRefused
 from loraplex.params import FinishReason, GrammarSpec, SamplingParams
 
 SCHEMA = {
