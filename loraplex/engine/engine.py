@@ -16,7 +16,7 @@ from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.containment import execute_contained, failed_install_results
 from loraplex.engine.decode_graphs import BATCH_SIZES as GRAPH_BATCH_SIZES
 from loraplex.engine.grammar_masks import GrammarMasks
-from loraplex.engine.inputs import GrammarCache, InputProcessor
+from loraplex.engine.inputs import GrammarCache, InputProcessor, ProcessedInputs
 from loraplex.engine.joins import WaitingJoins
 from loraplex.engine.loading import LoadedModel, load_model
 from loraplex.engine.memory import kv_cache_blocks
@@ -165,7 +165,10 @@ class Engine:
         """Queue a request; `adapter` (loaded, e.g. by an AdapterStore) or None for the base model;
         `images` for a model that takes them (already expanded into placeholder tokens in the prompt).
         Raises RequestRefused (engine/inputs.py) when the request cannot be served as asked."""
-        inputs = self.inputs.process(prompt_ids, params, adapter, images)
+        return self._queue(self.inputs.process(prompt_ids, params, adapter, images), request_id)
+
+    def _queue(self, inputs: ProcessedInputs, request_id: str | None) -> Request:
+        params, adapter = inputs.params, inputs.adapter
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         seed = params.seed if params.seed is not None else random.getrandbits(63)

@@ -2,8 +2,8 @@
 
 Lengths (prompt, encoder input, the longest sequence), images and their placeholders, cross-attention states
 that must fit the KV cache, grammars (compiled once, cached: structured.py) and the modules an adapter targets.
-The server calls the same checks at its edge (server/limits.py, server/images.py) and maps the typed refusals
-below to its own field names and messages; `Engine.add_request` runs `process` for every request.
+`Engine.add_request` runs `process` on every request. The server's edge calls single checks early
+(server/limits.py, server/images.py), to say the typed refusals below in its request's own field names.
 """
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ class ImagesWithoutPlaceholders(RequestRefused):
 
 @dataclass
 class ProcessedInputs:
-    """A request's inputs as the engine queues them."""
+    """A checked request, its inputs as the engine queues them."""
 
+    params: SamplingParams
+    adapter: LoraAdapter | None
     prompt_ids: list[int]  # the decoder's prompt (an encoder-decoder model: its start token)
     encoder_ids: list[int] | None
     num_states: int
@@ -207,4 +209,4 @@ class InputProcessor:
         grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         if adapter is not None:
             self.check_adapter(adapter)
-        return ProcessedInputs(list(prompt_ids), encoder_ids, num_states, images, image_digest, grammar)
+        return ProcessedInputs(params, adapter, list(prompt_ids), encoder_ids, num_states, images, image_digest, grammar)
