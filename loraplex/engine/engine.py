@@ -8,6 +8,7 @@ processing (output.py), memory sizing (memory.py), fault containment (containmen
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -23,11 +24,11 @@ from loraplex.engine.memory import kv_cache_blocks
 from loraplex.engine.output import OutputProcessor, RequestOutput, Stream, failed_output
 from loraplex.engine.overlap import InFlight, drop_placeholders, in_flight
 from loraplex.engine.prefix_cache import root_key
-from loraplex.engine.request import Request, RequestStatus
+from loraplex.engine.request import Request
 from loraplex.engine.residency import AdapterResidency
 from loraplex.engine.runner import ForcedTokens, GraphSettings, ModelRunner, StepResult
 from loraplex.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from loraplex.engine.speculative import SpecDecodeCounters, drafts_for
+from loraplex.engine.speculative import SpecDecodeCounters, propose_drafts
 from loraplex.engine.stats import AdapterTargets, EngineStats, engine_stats
 from loraplex.engine.verification import SampledToken
 from loraplex.engine.warm_up import WarmUpReport, warm_up
@@ -37,6 +38,10 @@ from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.params import FinishReason, GrammarSpec, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+def _enable_grammar_masks(runner: ModelRunner, vocab_size: int) -> None:
+    runner.grammar_masks = GrammarMasks(vocab_size)
 
 
 class Engine:
@@ -78,7 +83,10 @@ class Engine:
         )
         if self.runner.decode_graphs is not None:  # a step that admits runs eagerly: joins wait a little (joins.py)
             self.scheduler.joins = WaitingJoins(config.max_waiting_tokens, config.waiting_served_ratio)
-        grammars = GrammarCache(self.tokenizer, mc, config, on_first=self._enable_grammar_masks)
+        # At the first grammar the runner starts masking rows by their grammars (a function of the runner, not a
+        # method of the engine: nothing the engine holds refers back to it).
+        masks = functools.partial(_enable_grammar_masks, self.runner, mc.vocab_size)
+        grammars = GrammarCache(self.tokenizer, mc, config, on_first=masks)
         self.inputs = InputProcessor(
             mc, config, self.scheduler, model_id=self.model_id, max_total_tokens=self.max_total_tokens,
             takes_images=self.runner.takes_images, lora_modules=self.lora.layers, grammars=grammars,
@@ -151,10 +159,6 @@ class Engine:
         before it queues the request, so that `add_request` only copies the compiled grammar. Raises
         RequestRefused naming the problem (unusable, or over a limit)."""
         self.inputs.grammars.compile(spec)
-
-    def _enable_grammar_masks(self) -> None:
-        """At the first grammar: the runner masks rows by their grammars from now on."""
-        self.runner.grammar_masks = GrammarMasks(self.model_config.vocab_size)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -343,18 +347,10 @@ class Engine:
                 outputs.append(output)
                 if output.finished:
                     break
-        self._propose_drafts(plan)
+        if self.config.speculative_tokens > 0:
+            propose_drafts([item.request for item in plan.scheduled], self.config.speculative_tokens,
+                           self.max_total_tokens)
         return outputs
-
-    def _propose_drafts(self, plan: SchedulerOutput) -> None:
-        """Drafts for the next step of each request still decoding (engine/speculative.py)."""
-        most = self.config.speculative_tokens
-        if most <= 0:
-            return
-        for item in plan.scheduled:
-            request = item.request
-            if request.status is RequestStatus.RUNNING and request.num_uncomputed_tokens == 1:
-                request.draft_ids = drafts_for(request, most, self.max_total_tokens)
 
     def _append_token(self, request: Request, result: SampledToken, now: float, place: int | None = None) -> RequestOutput:
         """`place`: the index of the token's placeholder in output_ids (overlap.py); None: appended."""
