@@ -58,7 +58,7 @@ def requests(args, tiles: int, size: int):
 
 
 def run_ours(engine, jobs, new: int) -> tuple[float, int, list]:
-    from loraplex.engine.images import ImageInputs
+    from loraplex.multimodal.image_inputs import ImageInputs
     from loraplex.params import SamplingParams
 
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)

@@ -21,7 +21,7 @@ from time import perf_counter
 
 import torch
 
-from loraplex.engine.images import ImageInputs
+from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.example_models.vision import QUESTIONS, make_shape_image, user_message
 from loraplex.params import SamplingParams
 

@@ -5,6 +5,7 @@ Pure Python: the scheduler and request state import this without torch.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 
@@ -56,6 +57,15 @@ class SamplingParams:
         assert self.temperature > 0.0, "temperature must be > 0"
         assert self.top_k >= 0 and 0.0 < self.top_p <= 1.0 and 0.0 < self.typical_p <= 1.0
         assert 0.0 <= self.min_p < 1.0 and self.repetition_penalty > 0.0
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request's generation ended."""
+
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_SEQUENCE = "stop_sequence"
+    ABORTED = "aborted"
 
 
 @dataclass

@@ -296,7 +296,7 @@ def pictures(sizes, seed: int) -> list[np.ndarray]:
 
 def request_inputs(processor, text: str, images) -> tuple[list[int], "ImageInputs | None"]:
     """Token ids and the engine's image inputs for one request, as the server's processor path makes them."""
-    from loraplex.engine.images import ImageInputs
+    from loraplex.multimodal.image_inputs import ImageInputs
 
     out = hf_inputs(processor, text, images)
     ids = out["input_ids"][0].tolist()

@@ -1,7 +1,7 @@
 """Drives the synchronous Engine from one background thread and streams outputs to asyncio callers.
 
-The engine is only ever touched by its thread. Callers talk to it through a command queue
-(add / abort); outputs come back through each request's asyncio.Queue via call_soon_threadsafe.
+The engine is only ever touched by its thread. Callers talk to it through a queue of typed commands
+(AddRequest / AbortRequest); outputs come back through each request's asyncio.Queue via call_soon_threadsafe.
 The thread blocks on a condition when there is no work, so an idle server burns no CPU.
 
 If the thread itself dies (an error outside a step's own handling), every waiting caller is failed at once
@@ -20,12 +20,35 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from loraplex.engine.engine import Engine, RequestOutput, RequestRefused
-from loraplex.engine.images import ImageInputs
+from loraplex.engine.engine import Engine
+from loraplex.engine.output import RequestOutput
+from loraplex.engine.request import RequestRefused
 from loraplex.lora.adapter import LoraAdapter
+from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.params import GrammarSpec, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Queue a request (the arguments of `Engine.add_request`)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: LoraAdapter | None
+    images: ImageInputs | None
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Abort a request (its caller left, or asked)."""
+
+    request_id: str
+
+
+Command = AddRequest | AbortRequest
 
 
 @dataclass
@@ -37,7 +60,7 @@ class _Subscriber:
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._commands: deque[tuple] = deque()
+        self._commands: deque[Command] = deque()
         self._wake = threading.Condition()
         self._subscribers: dict[str, _Subscriber] = {}
         self._ids = itertools.count()
@@ -63,7 +86,7 @@ class AsyncEngine:
             raise RuntimeError(f"the engine stopped: {self.died!r}")
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
         self._subscribers[request_id] = subscriber
-        self._send(("add", request_id, prompt_ids, params, adapter, images))
+        self._send(AddRequest(request_id, prompt_ids, params, adapter, images))
         finished = False
         try:
             while True:
@@ -78,7 +101,7 @@ class AsyncEngine:
         finally:
             self._subscribers.pop(request_id, None)
             if not finished:
-                self._send(("abort", request_id))
+                self._send(AbortRequest(request_id))
 
     async def compile_grammar(self, spec: GrammarSpec) -> None:
         """Compile a request's grammar on a worker thread, before the request is queued, so that the engine
@@ -103,7 +126,7 @@ class AsyncEngine:
         return self.alive and self.last_step_at is not None and time.monotonic() - self.last_step_at <= seconds
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._send(AbortRequest(request_id))
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -111,7 +134,7 @@ class AsyncEngine:
             self._wake.notify()
         self._thread.join(timeout=10)
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: Command) -> None:
         with self._wake:
             self._commands.append(command)
             self._wake.notify()
@@ -139,15 +162,16 @@ class AsyncEngine:
             if self.engine.has_unfinished:
                 self._step()
 
-    def _apply(self, command: tuple) -> None:
-        if command[0] == "add":
-            _, request_id, prompt_ids, params, adapter, images = command
-            try:
-                self.engine.add_request(prompt_ids, params, request_id, adapter, images)
-            except Exception as error:  # refused: only this caller hears of it
-                self._deliver(request_id, error)
-        else:
-            self.engine.abort_request(command[1])
+    def _apply(self, command: Command) -> None:
+        match command:
+            case AddRequest():
+                try:
+                    self.engine.add_request(command.prompt_ids, command.params, command.request_id, command.adapter,
+                                            command.images)
+                except Exception as error:  # refused: only this caller hears of it
+                    self._deliver(command.request_id, error)
+            case AbortRequest():
+                self.engine.abort_request(command.request_id)
 
     def _step(self) -> None:
         try:

@@ -111,3 +111,18 @@ def execute_contained(
     attempt(list(range(len(scheduled))), error)
     assert all(result is not None for result in results)
     return results
+
+
+def failed_install_results(scheduled: Sequence[ScheduledRequest], broken: dict[str, str], block_size: int
+                           ) -> list[StepResult]:
+    """The step's results when the adapters in `broken` (key -> message) could not be installed: their requests
+    fail with the message, readers of the blocks those requests were to write are requeued; the rest (an empty
+    result) run."""
+    writers = writers_of(scheduled, block_size)
+    results = [StepResult() for _ in scheduled]
+    for i, item in enumerate(scheduled):
+        if item.request.adapter_id in broken:
+            results[i].error = broken[item.request.adapter_id]
+        elif any(results[w].error or results[w].requeue for w in writers[i]):
+            results[i].requeue = True
+    return results

@@ -1,79 +1,48 @@
-"""The engine: `step()` = schedule -> run -> update (decode steps overlapped with the host's work: overlap.py).
+"""The engine: `step()` = schedule -> install adapters -> run -> update.
 
-Synchronous and single-threaded; `AsyncEngine` drives it from a background thread for the server.
+Synchronous and single-threaded; `AsyncEngine` drives it from a background thread for the server. With
+overlapped steps (overlap.py) `step` is the overlapped loop instead: launch this step, then land the previous.
+The step's parts live beside it: every request check (inputs.py), adapter use and installs (adapters.py), output
+processing (output.py), memory sizing (memory.py), fault containment (containment.py).
 """
 
 from __future__ import annotations
 
-import itertools
+import functools
 import logging
-import os
 import random
-import threading
 import time
-from dataclasses import dataclass, field
-
-import torch
 
 from loraplex.config import EngineConfig, ModelConfig
-from loraplex.engine.containment import execute_contained, writers_of
-from loraplex.engine.grammar_masks import GrammarMasks
-from loraplex.engine.grammars import GrammarError, GrammarLimits, Grammars, GrammarTooCostly, advance
-from loraplex.engine.image_states import with_state_layout
-from loraplex.engine.images import ImageInputs
-from loraplex.engine.kv_cache import blocks_for
-from loraplex.engine.loading import LoadedModel, load_model
-from loraplex.engine.overlap import PENDING, InFlight, drop_placeholders, in_flight
-from loraplex.engine.prefix_cache import root_key
-from loraplex.engine.request import FinishReason, Request, RequestRefused, RequestStatus
+from loraplex.engine.containment import execute_contained, failed_install_results
+from loraplex.engine.adapters import EngineAdapters
 from loraplex.engine.decode_graphs import BATCH_SIZES as GRAPH_BATCH_SIZES
+from loraplex.engine.grammar_masks import GrammarMasks
+from loraplex.engine.inputs import GrammarCache, InputProcessor, ProcessedInputs
 from loraplex.engine.joins import WaitingJoins
+from loraplex.engine.loading import LoadedModel, load_model
+from loraplex.engine.memory import kv_cache_blocks
+from loraplex.engine.output import OutputProcessor, RequestOutput, Stream, failed_output
+from loraplex.engine.overlap import InFlight, drop_placeholders, in_flight
+from loraplex.engine.prefix_cache import root_key
+from loraplex.engine.request import Request
 from loraplex.engine.logits import ForcedTokens
 from loraplex.engine.runner import GraphSettings, ModelRunner, StepResult
 from loraplex.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from loraplex.engine.speculative import SpecDecodeCounters, drafts_for
+from loraplex.engine.speculative import SpecDecodeCounters, propose_drafts
+from loraplex.engine.stats import AdapterTargets, EngineStats, engine_stats
 from loraplex.engine.verification import SampledToken
 from loraplex.engine.warm_up import WarmUpReport, warm_up
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.table import AdapterTable
-from loraplex.params import GrammarSpec, SamplingParams, TokenInfo
-from loraplex.tokenizer import IncrementalDetokenizer, find_stop
-
-
-CPU_KV_CACHE_CAP_BYTES = 2 << 30
-STAGE_LOOKAHEAD = 256  # waiting requests looked through for the adapters to stage next
+from loraplex.multimodal.image_inputs import ImageInputs
+from loraplex.params import FinishReason, GrammarSpec, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RequestOutput:
-    """One request's news about one new token (a step with accepted drafts gives a request several, in
-    order), and the result when finished."""
-
-    request_id: str
-    token: TokenInfo | None
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    generated_text: str | None = None  # when finished: the whole text, stop sequence cut
-    token_ids: list[int] | None = None  # when finished: every generated token id
-    prompt_tokens: list[TokenInfo] | None = None  # when finished and prompt logprobs were asked for
-    num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    seed: int | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    token_times: list[float] | None = None  # when finished: when each generated token was made (monotonic)
-    error: str | None = None  # set (with finished=True) when the request failed; the text says why
-
-
-@dataclass
-class _Stream:
-    """Engine-side per-request state that the scheduler does not need."""
-
-    detokenizer: IncrementalDetokenizer | None
-    text_end: int | None = None  # where the stop sequence begins, once matched
-    first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
+def _enable_grammar_masks(runner: ModelRunner, vocab_size: int) -> None:
+    runner.grammar_masks = GrammarMasks(vocab_size)
 
 
 class Engine:
@@ -84,11 +53,11 @@ class Engine:
         self.processor = loaded.processor  # None for text-only models
         self.model_id = loaded.model_id
         self.device, self.dtype = loaded.device, loaded.dtype
-        num_blocks = self._kv_cache_blocks(loaded)
+        num_blocks = kv_cache_blocks(config, loaded)
         # A model whose cross-attention layers cache only its states (Mllama) keeps them in a pool of their
         # own, as many slots as the token pool: the same memory as one pool whose blocks span every layer,
         # but states no longer take token slots (nor tokens state slots).
-        num_state_blocks = num_blocks if getattr(loaded.model, "state_layers", ()) else 0
+        num_state_blocks = num_blocks if loaded.model.state_layers else 0
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=num_blocks,
@@ -103,8 +72,7 @@ class Engine:
             )
         )
         self.lora = AdapterTable(loaded.model, config.max_active_adapters, loaded.device, loaded.dtype, config.max_lora_rank)
-        # Adapters of the requests in the engine, with how many requests use each.
-        self._adapters: dict[str, tuple[LoraAdapter, int]] = {}
+        self.adapters = EngineAdapters(self.lora, self.scheduler)
         mc = loaded.config
         encdec = mc.encoder_decoder
         forced = ForcedTokens(encdec.forced_bos_token_id, encdec.forced_eos_token_ids) if encdec else None
@@ -116,11 +84,18 @@ class Engine:
         )
         if self.runner.decode_graphs is not None:  # a step that admits runs eagerly: joins wait a little (joins.py)
             self.scheduler.joins = WaitingJoins(config.max_waiting_tokens, config.waiting_served_ratio)
-        self._streams: dict[str, _Stream] = {}
+        # At the first grammar the runner starts masking rows by their grammars (a function of the runner, not a
+        # method of the engine: nothing the engine holds refers back to it).
+        masks = functools.partial(_enable_grammar_masks, self.runner, mc.vocab_size)
+        grammars = GrammarCache(self.tokenizer, mc, config, on_first=masks)
+        self.inputs = InputProcessor(
+            mc, config, self.scheduler, model_id=self.model_id, max_total_tokens=self.max_total_tokens,
+            takes_images=self.runner.takes_images, lora_modules=self.lora.layers, grammars=grammars,
+            states_per_tile=self.runner.model.states_per_tile if mc.mllama is not None else None,
+        )
+        self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_total_tokens)
         self._next_id = 0
-        self._grammars: Grammars | None = None  # structured output, made at the first request that asks
         self.spec_decode = SpecDecodeCounters()
-        self._grammars_made = threading.Lock()  # compile_grammar is called from other threads too
         overlap = config.overlap_steps
         self._overlap = (self.runner.decode_graphs is not None if overlap is None else overlap) and (
             config.speculative_tokens == 0)
@@ -152,40 +127,39 @@ class Engine:
         """The longest sequence (prompt + generated) one request may reach."""
         return min(self.config.max_total_tokens, self.model_config.max_position_embeddings, self.kv_capacity_tokens)
 
-    def _kv_cache_blocks(self, loaded: LoadedModel) -> int:
-        cfg = self.config
-        if cfg.max_batch_total_tokens is not None:
-            return blocks_for(cfg.max_batch_total_tokens, cfg.block_size)
-        mc = loaded.config
-        bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * loaded.dtype.itemsize
-        if loaded.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(loaded.device)
-            free -= (1.0 - cfg.cuda_memory_fraction) * total  # the share of the device not ours
-            budget = free * (cfg.kv_cache_memory_fraction or 0.85) - self._reserved_bytes(loaded, total)
-        else:  # CPU: host memory is shared with everything else; a modest slice, capped
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = min(available * (cfg.kv_cache_memory_fraction or 0.1), CPU_KV_CACHE_CAP_BYTES)
-            if cfg.kv_cache_memory_fraction is None:
-                # and no more than the weights: a CPU computes few sequences at once, so a small model needs
-                # little cache (the embedded 135M model: ~540 MB, about 11,700 tokens).
-                budget = min(budget, sum(p.numel() * p.element_size() for p in loaded.model.parameters()))
-        # At least one longest request.
-        tokens = max(cfg.max_total_tokens, int(budget) // bytes_per_token)
-        return blocks_for(tokens, cfg.block_size)
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.model_config.encoder_decoder is not None
 
-    def _reserved_bytes(self, loaded: LoadedModel, total: int) -> int:
-        """CUDA memory kept out of the KV cache: the adapters' slots (every linear at the largest rank, for every
-        slot, at most `adapter_memory_fraction` of the device) and the decode graphs' activations and logits (at
-        their largest batch, counted in float32 to be safe)."""
-        cfg, mc = self.config, loaded.config
-        linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
-        per_slot = sum(m.in_features + m.out_features for m in linears) * cfg.max_lora_rank * loaded.dtype.itemsize
-        adapters = min(cfg.max_active_adapters * per_slot, int(cfg.adapter_memory_fraction * total))
-        graphs = 0
-        if cfg.cuda_graphs:
-            row = mc.vocab_size + 4 * mc.intermediate_size + 8 * mc.hidden_size + 64 * mc.num_heads * mc.head_dim
-            graphs = min(cfg.max_num_seqs, GRAPH_BATCH_SIZES[-1]) * row * 4
-        return adapters + graphs
+    @property
+    def takes_images(self) -> bool:
+        return self.runner.takes_images
+
+    # ---- what the server reads ------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the queues, caches and counters, from any thread (engine/stats.py)."""
+        return engine_stats(self.scheduler, self.runner.vision_counters, self.spec_decode, self.adapter_ids)
+
+    @property
+    def adapter_ids(self) -> dict[str, list[str]]:
+        """Distinct adapters of running and of waiting requests (for metrics)."""
+        return self.adapters.adapter_ids()
+
+    def adapter_targets(self) -> AdapterTargets:
+        """What an adapter store needs of this model: the wrapped modules' shapes and base weights, the
+        checkpoint's names for them, the largest rank a slot holds."""
+        layers = self.lora.layers
+        return AdapterTargets(
+            self.lora.base_shapes, self.config.max_lora_rank, base_weight=lambda m: layers[m].weight,
+            checkpoint_name=getattr(self.runner.model, "checkpoint_name", None),
+        )
+
+    def compile_grammar(self, spec: GrammarSpec) -> None:
+        """Compile `spec` into the grammar cache, from any thread: the server calls this off the engine thread
+        before it queues the request, so that `add_request` only copies the compiled grammar. Raises
+        RequestRefused naming the problem (unusable, or over a limit)."""
+        self.inputs.grammars.compile(spec)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -194,178 +168,50 @@ class Engine:
         adapter: LoraAdapter | None = None, images: ImageInputs | None = None,
     ) -> Request:
         """Queue a request; `adapter` (loaded, e.g. by an AdapterStore) or None for the base model;
-        `images` for a model that takes them (already expanded into placeholder tokens in the prompt)."""
-        if not prompt_ids:
-            raise RequestRefused("the prompt is empty")
-        if images is not None:
-            self._check_images(prompt_ids, images)
-        elif self.image_token_id is not None and self.image_token_id in prompt_ids:
-            raise RequestRefused("the prompt has image tokens but no images came with it")
-        if len(prompt_ids) > self.config.max_input_length:
-            raise RequestRefused(
-                f"prompt has {len(prompt_ids)} tokens; must be <= {self.config.max_input_length} (max input length)"
-            )
-        # Before `images` is replaced below (a copy would hash the pixels again on this thread).
-        image_digest = images.digest if images is not None and self.config.prefix_caching else b""
-        encoder_ids, num_states = None, 0
-        if self.is_encoder_decoder:  # the prompt is the encoder's input; the decoder starts from one token
-            encoder_ids, prompt_ids = list(prompt_ids), [self.model_config.encoder_decoder.decoder_start_token_id]
-            self._check_encoder_input(encoder_ids)
-            num_states = len(encoder_ids)  # one state per encoder token
-        if images is not None and self.model_config.mllama is not None:
-            images = with_state_layout(
-                images, len(prompt_ids), self.model_config.mllama.vision.max_num_tiles, self.runner.model.states_per_tile
-            )
-            num_states = images.layout.num_states
-        if num_states:
-            self._check_states_fit(num_states, len(prompt_ids), params)
-        limit = self.max_total_tokens
-        if len(prompt_ids) + params.max_new_tokens > limit:
-            raise RequestRefused(
-                f"prompt tokens ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) "
-                f"must be <= {limit} (max total tokens)"
-            )
+        `images` for a model that takes them (already expanded into placeholder tokens in the prompt).
+        Raises RequestRefused (engine/inputs.py) when the request cannot be served as asked."""
+        return self._queue(self.inputs.process(prompt_ids, params, adapter, images), request_id)
+
+    def _queue(self, inputs: ProcessedInputs, request_id: str | None) -> Request:
+        params, adapter = inputs.params, inputs.adapter
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(
-            request_id, list(prompt_ids), params, seed, time.monotonic(), images=images, encoder_ids=encoder_ids,
-            num_states=num_states,
+            request_id, inputs.prompt_ids, params, seed, time.monotonic(), images=inputs.images,
+            encoder_ids=inputs.encoder_ids, num_states=inputs.num_states,
         )
-        if params.grammar is not None:
-            request.grammar = self._grammar_matcher(params.grammar)
+        request.grammar = inputs.grammar
         if adapter is not None:
-            self._use_adapter(adapter)
+            self.adapters.use(adapter)
             request.adapter_id = adapter.key  # the engine's name for it; `adapter.adapter_id` is the client's
         if self.config.prefix_caching:
-            request.cache_key = root_key(adapter.fingerprint if adapter else None, params.cache_salt, encoder_ids)
-            request.image_digest = image_digest
-        detok = (
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-            if self.tokenizer is not None
-            else None
-        )
+            request.cache_key = root_key(adapter.fingerprint if adapter else None, params.cache_salt, inputs.encoder_ids)
+            request.image_digest = inputs.image_digest
         self.scheduler.add(request)
-        self._streams[request_id] = _Stream(detok)
+        self.outputs.open(request)
         return request
 
     def abort_request(self, request_id: str) -> bool:
         request = self.scheduler.get(request_id)
-        self._streams.pop(request_id, None)
+        self.outputs.close(request_id)
         if request is None:
             return False
         self._release(request, FinishReason.ABORTED)
         return True
 
-    def _release(self, request: Request, reason: FinishReason) -> None:
-        """A request leaves the engine: its KV blocks, adapter use, stream and per-request states go."""
+    def _release(self, request: Request, reason: FinishReason) -> Stream | None:
+        """A request leaves the engine: its KV blocks, adapter use, stream and per-request states go. Returns
+        its stream (None once gone)."""
         self.scheduler.finish(request, reason)
         drop_placeholders(request)
-        self._drop_adapter(request.adapter_id)
-        self._streams.pop(request.request_id, None)
+        self.adapters.drop(request.adapter_id)
         self.runner.forget(request.request_id)
+        return self.outputs.close(request.request_id)
 
-    @property
-    def is_encoder_decoder(self) -> bool:
-        return self.model_config.encoder_decoder is not None
-
-    def sequence_tokens_of_prompt(self, num_prompt_tokens: int) -> int:
-        """How much of a sequence's max total tokens a prompt takes: all of it for a decoder; for an
-        encoder-decoder model only the decoder's start token (the prompt is the encoder's input)."""
-        return 1 if self.is_encoder_decoder else num_prompt_tokens
-
-    def _check_encoder_input(self, encoder_ids: list[int]) -> None:
-        """The encoder input must fit the model's positions."""
-        most = self.model_config.encoder_decoder.max_source_positions
-        if most is not None and len(encoder_ids) > most:
-            raise RequestRefused(f"prompt has {len(encoder_ids)} tokens; the model's encoder takes at most {most}")
-
-    def _check_states_fit(self, num_states: int, prompt_tokens: int, params: SamplingParams) -> None:
-        """A request's cross-attention states and its longest sequence must fit the KV cache (the states take
-        blocks of it too, of the token pool or of their own)."""
-        bs = self.scheduler.config.block_size
-        state_blocks, token_blocks = blocks_for(num_states, bs), blocks_for(prompt_tokens + params.max_new_tokens, bs)
-        if not self.scheduler.fits_alone(token_blocks, state_blocks):
-            source = "of its images" if self.model_config.mllama is not None else "of its prompt, the encoder's input"
-            config = self.scheduler.config
-            capacity = (f"{config.num_blocks * bs} token slots and {config.num_state_blocks * bs} state slots"
-                        if config.num_state_blocks else f"{self.kv_capacity_tokens} slots")
-            raise RequestRefused(
-                f"the request's {num_states} cross-attention states ({source}) and its {prompt_tokens} tokens + "
-                f"max_new_tokens ({params.max_new_tokens}) do not fit the KV cache ({capacity})"
-            )
-
-    @property
-    def takes_images(self) -> bool:
-        return self.runner.takes_images
-
-    @property
-    def image_token_id(self) -> int | None:
-        """The token that stands for an image in a prompt (None: the model takes no images)."""
-        config = self.model_config
-        if config.mllama is not None:
-            return config.mllama.image_token_id
-        return config.vision.image_token_id if config.vision is not None else None
-
-    def _check_images(self, prompt_ids: list[int], images: ImageInputs) -> None:
-        if not self.takes_images:
-            raise RequestRefused(f"model {self.model_id!r} does not take images (it is a text-only model)")
-        if not images.positions or images.positions[-1] >= len(prompt_ids) or images.num_images == 0:
-            raise RequestRefused("the images have no placeholder tokens in the prompt")
-
-    def compile_grammar(self, spec: GrammarSpec) -> None:
-        """Compile `spec` into the grammar cache, from any thread: the server calls this off the engine thread
-        before it queues the request, so that `add_request` only copies the compiled grammar. Raises
-        RequestRefused naming the problem (unusable, or over a limit)."""
-        self._compiled_grammar(spec)
-
-    def _grammar_matcher(self, spec: GrammarSpec):
-        return self._compiled_grammar(spec).deep_copy()
-
-    def _compiled_grammar(self, spec: GrammarSpec):
-        if self.tokenizer is None:
-            raise RequestRefused("structured output needs the model's tokenizer")
-        with self._grammars_made:
-            if self._grammars is None:
-                config = self.model_config
-                limits = GrammarLimits(self.config.max_grammar_bytes, self.config.grammar_compile_timeout_s)
-                self._grammars = Grammars(
-                    self.tokenizer.hf, config.vocab_size, tuple(self.tokenizer.eos_token_ids), limits
-                )
-                self.runner.grammar_masks = GrammarMasks(config.vocab_size)
-        try:
-            return self._grammars.compile(spec)
-        except GrammarTooCostly as exc:
-            raise RequestRefused(f"grammar refused: {exc}") from exc
-        except GrammarError as exc:
-            raise RequestRefused(f"invalid grammar: {exc}") from exc
-
-    def _use_adapter(self, adapter: LoraAdapter) -> None:
-        unknown = set(adapter.modules) - set(self.lora.layers)
-        if unknown:
-            raise RequestRefused(f"adapter {adapter.adapter_id!r} targets modules this model lacks: {sorted(unknown)[:3]}")
-        _, users = self._adapters.get(adapter.key, (adapter, 0))
-        self._adapters[adapter.key] = (adapter, users + 1)
-
-    def _drop_adapter(self, adapter_id: str | None) -> None:
-        if adapter_id is None:
-            return
-        adapter, users = self._adapters[adapter_id]
-        if users == 1:
-            del self._adapters[adapter_id]
-        else:
-            self._adapters[adapter_id] = (adapter, users - 1)
-
-    @property
-    def adapter_ids(self) -> dict[str, list[str]]:
-        """Distinct adapters of running and of waiting requests (for metrics)."""
-        # Copies first: metrics read this from another thread while the engine thread runs.
-        adapters = dict(self._adapters)
-
-        def names(requests: list[Request]) -> list[str]:  # by the adapters' ids, not their keys
-            return sorted({adapters[r.adapter_id][0].adapter_id for r in requests if r.adapter_id in adapters})
-
-        return {"running": names(list(self.scheduler.running)), "waiting": names(list(self.scheduler.waiting))}
+    def evict_adapter(self, key: str) -> None:
+        """Take the adapter `key` out of its device slot now, if it has one; no request may be using it."""
+        self.adapters.evict(key)
 
     @property
     def has_unfinished(self) -> bool:
@@ -379,21 +225,25 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Plan a step and run it. With overlapped steps (overlap.py) a decode step is launched and its tokens are
-        read at the next call, after the step that follows it is launched; a step that cannot be launched so
-        first reads the one in flight, then runs as before."""
+        """Plan a step and run it (the overlapped loop when the engine was made with overlapped steps)."""
+        return self._overlapped_step() if self._overlap else self._plain_step()
+
+    def _plain_step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        outputs = self._begin(plan)
+        self.adapters.stage_next_installs()  # while this step runs
+        if plan.scheduled:
+            outputs += self._execute(plan)
+        return outputs
+
+    def _overlapped_step(self) -> list[RequestOutput]:
+        """A decode step is launched and its tokens are read at the next call, after the step that follows it is
+        launched; a step that cannot be launched so first reads the one in flight, then runs as a plain step."""
         plan = self.scheduler.schedule()
         landing, self._in_flight = self._in_flight, None
-        outputs: list[RequestOutput] = []
-        if plan.scheduled:
-            started = time.monotonic()
-            outputs = self._install(plan)
-            for item in plan.scheduled:  # queue time ends when a request's first step begins
-                if item.request.first_scheduled_time is None:
-                    item.request.first_scheduled_time = started
-        if (self._adapters and self.scheduler.waiting) or self.lora.staged:
-            self._stage_next_installs()  # while this step runs (a base-model queue has nothing to stage)
-        if plan.scheduled and self._overlap and self.runner.launchable(plan.scheduled):
+        outputs = self._begin(plan)
+        self.adapters.stage_next_installs()  # while this step runs
+        if plan.scheduled and self.runner.launchable(plan.scheduled):
             self._in_flight = self._launch(plan, landing)
         if landing is not None:
             outputs += self._land(landing)
@@ -402,6 +252,17 @@ class Engine:
                 plan.scheduled = [item for item in plan.scheduled if not item.request.finished]
             if plan.scheduled:
                 outputs += self._execute(plan)
+        return outputs
+
+    def _begin(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """Install the step's adapters; queue time ends for requests whose first step this is."""
+        if not plan.scheduled:
+            return []
+        started = time.monotonic()
+        outputs = self._install(plan)
+        for item in plan.scheduled:
+            if item.request.first_scheduled_time is None:
+                item.request.first_scheduled_time = started
         return outputs
 
     def _execute(self, plan: SchedulerOutput) -> list[RequestOutput]:
@@ -441,53 +302,17 @@ class Engine:
 
     def _install(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """Install the step's new adapters into their slots. An adapter whose install raises fails the step's
-        requests for it and leaves its slot empty (a later request for it installs it again); requests that
-        read blocks they were to write are requeued (containment.py); the rest of the step runs."""
-        broken: dict[str, str] = {}
-        with self.lora.installs():
-            for slot, key in plan.installs:
-                adapter = self._adapters[key][0]
-                try:
-                    self.lora.install(slot, adapter)
-                except Exception as error:  # noqa: BLE001
-                    log.error("installing adapter %r failed: %r", adapter.adapter_id, error)
-                    self.lora.clear(slot)  # an install stopped half way must leave nothing behind
-                    broken[key] = f"adapter {adapter.adapter_id!r} could not be installed: {error}"
+        requests for it and leaves its slot empty; requests that read blocks they were to write are requeued
+        (containment.py); the rest of the step runs."""
+        broken = self.adapters.install(plan.installs)
         if not broken:
             return []
-        writers = writers_of(plan.scheduled, self.scheduler.config.block_size)
-        results = [StepResult() for _ in plan.scheduled]
-        for i, item in enumerate(plan.scheduled):
-            if item.request.adapter_id in broken:
-                results[i].error = broken[item.request.adapter_id]
-            elif any(results[w].error or results[w].requeue for w in writers[i]):
-                results[i].requeue = True
+        results = failed_install_results(plan.scheduled, broken, self.scheduler.config.block_size)
         outputs = self._settle(plan.scheduled, results)
         plan.scheduled = [item for item, result in zip(plan.scheduled, results) if not (result.error or result.requeue)]
         for adapter_id in broken:  # its requests are gone, so nothing pins it: free its slot
             self.evict_adapter(adapter_id)
         return outputs
-
-    def evict_adapter(self, key: str) -> None:
-        """Take the adapter `key` out of its device slot now, if it has one; no request may be using it."""
-        slot = self.scheduler.slots.slot_of(key)
-        if slot is not None:
-            self.scheduler.slots.evict(key)
-            self.lora.clear(slot)
-
-    def _stage_next_installs(self) -> None:
-        """Have the adapters that the waiting queue wants next, and no slot holds, laid out ahead of their
-        installs (lora/staging.py); in queue order, as the scheduler admits. The queue is read only as far as the
-        staging budget reaches (repeats are yielded; `stage_ahead` skips them)."""
-        slots = self.scheduler.slots
-
-        def wanted():
-            for request in itertools.islice(self.scheduler.waiting, STAGE_LOOKAHEAD):
-                key = request.adapter_id
-                if key is not None and slots.slot_of(key) is None:
-                    yield self._adapters[key][0]
-
-        self.lora.stage_ahead(wanted())
 
     def _settle(self, scheduled: list[ScheduledRequest], results: list[StepResult]) -> list[RequestOutput]:
         """Fail the requests whose result is an error and requeue those to be requeued (in step order: a writer
@@ -523,95 +348,25 @@ class Engine:
                 outputs.append(output)
                 if output.finished:
                     break
-        self._propose_drafts(plan)
+        if self.config.speculative_tokens > 0:
+            propose_drafts([item.request for item in plan.scheduled], self.config.speculative_tokens,
+                           self.max_total_tokens)
         return outputs
-
-    def _propose_drafts(self, plan: SchedulerOutput) -> None:
-        """Drafts for the next step of each request still decoding (engine/speculative.py)."""
-        most = self.config.speculative_tokens
-        if most <= 0:
-            return
-        for item in plan.scheduled:
-            request = item.request
-            if request.status is RequestStatus.RUNNING and request.num_uncomputed_tokens == 1:
-                request.draft_ids = drafts_for(request, most, self.max_total_tokens)
 
     def _append_token(self, request: Request, result: SampledToken, now: float, place: int | None = None) -> RequestOutput:
         """`place`: the index of the token's placeholder in output_ids (overlap.py); None: appended."""
-        token_id = result.token_id
-        stream = self._streams[request.request_id]
-        stream.first_token_time = stream.first_token_time or now
-        stream.token_times.append(now)
-        if place is None:
-            request.output_ids.append(token_id)
-        else:
-            assert request.output_ids[place] == PENDING, "a placeholder is written once"
-            request.output_ids[place] = token_id
-            request.num_pending -= 1
-        if request.grammar is not None:
-            error = advance(request.grammar, token_id)
-            if error is not None:
-                return self._fail(request, error)
-        piece = stream.detokenizer.add(token_id) if stream.detokenizer else ""
-        token = TokenInfo(
-            id=token_id,
-            text=piece,
-            logprob=result.logprob,
-            special=self.tokenizer.is_special(token_id) if self.tokenizer else False,
-            top_tokens=[self._token_info(t, lp) for t, lp in result.top_tokens],
-        )
-        reason = self._finish_reason(request, token_id, piece, stream)
-        if reason is None:
-            return RequestOutput(request.request_id, token, seed=request.seed)
-        if reason is not FinishReason.STOP_SEQUENCE and stream.detokenizer is not None:
-            token.text += stream.detokenizer.flush()  # bytes held back for an unfinished character
-        self._release(request, reason)
-        return self._final_output(request, token, stream, now)
+        appended = self.outputs.append(request, result, now, place)
+        if appended.error is not None:
+            return self._fail(request, appended.error)
+        if appended.finish is None:
+            return RequestOutput(request.request_id, appended.token, seed=request.seed)
+        stream = self._release(request, appended.finish)
+        return self.outputs.final_output(request, appended.token, stream, now)
 
     def _fail(self, request: Request, message: str) -> RequestOutput:
         """End a request whose computation failed; its KV blocks and adapter use are released."""
         self._release(request, FinishReason.ABORTED)
-        return RequestOutput(request.request_id, None, finished=True, seed=request.seed, error=message)
-
-    def _finish_reason(self, request: Request, token_id: int, piece: str, stream: _Stream) -> FinishReason | None:
-        params = request.params
-        eos_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
-        if (token_id in eos_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
-            return FinishReason.EOS_TOKEN
-        if request.grammar is not None and request.grammar.is_stopped():  # complete, its end token taken
-            return FinishReason.EOS_TOKEN
-        if params.stop and stream.detokenizer is not None:
-            stop_at = find_stop(stream.detokenizer.text, len(piece), params.stop)
-            if stop_at is not None:
-                stream.text_end = stop_at
-                return FinishReason.STOP_SEQUENCE
-        if len(request.output_ids) >= params.max_new_tokens or request.num_tokens >= self.max_total_tokens:
-            return FinishReason.LENGTH
-        return None
-
-    def _final_output(self, request: Request, token: TokenInfo, stream: _Stream, now: float) -> RequestOutput:
-        text = stream.detokenizer.text[: stream.text_end] if stream.detokenizer else ""
-        prompt_tokens = None
-        # An encoder's input is encoded, not predicted: it has no logprobs (None: the caller says so).
-        if request.params.prompt_logprobs and request.prompt_logprobs is not None and request.encoder_ids is None:
-            prompt_tokens = [self._token_info(t, lp) for t, lp in zip(request.prompt_ids, request.prompt_logprobs)]
-        timings = {
-            "queue": (request.first_scheduled_time or now) - request.arrival_time,
-            "first_token": (stream.first_token_time or now) - request.arrival_time,
-            "total": now - request.arrival_time,
-        }
-        return RequestOutput(
-            request.request_id, token, finished=True, finish_reason=request.finish_reason, generated_text=text,
-            token_ids=list(request.output_ids),
-            prompt_tokens=prompt_tokens, num_prompt_tokens=request.num_input_tokens,
-            num_generated_tokens=len(request.output_ids), seed=request.seed, timings=timings,
-            token_times=stream.token_times,
-        )
-
-    def _token_info(self, token_id: int, logprob: float | None) -> TokenInfo:
-        if self.tokenizer is None:
-            return TokenInfo(token_id, "", logprob)
-        return TokenInfo(token_id, self.tokenizer.token_text(token_id), logprob, self.tokenizer.is_special(token_id))
+        return failed_output(request, message)
 
     # ---- convenience ------------------------------------------------------------------------------
 

@@ -83,8 +83,8 @@ def image_rows(image_positions: list[int], prompt_len: int) -> list[tuple[int, i
 
 
 def with_state_layout(images, prompt_len: int, max_num_tiles: int, states_per_tile: int):
-    """A request's Mllama images (an engine.images.ImageInputs) with the layout of their states: one image token
-    per image and the processor's tiling are checked first (RequestRefused saying what is wrong)."""
+    """A request's Mllama images (a multimodal.image_inputs.ImageInputs) with the layout of their states: one
+    image token per image and the processor's tiling are checked first (RequestRefused saying what is wrong)."""
     if len(images.positions) != images.num_images:
         raise RequestRefused(
             f"the prompt has {len(images.positions)} image tokens for {images.num_images} images (one each)"

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex.params import SamplingParams
+from loraplex.params import FinishReason, SamplingParams
 
 
 class RequestRefused(ValueError):
@@ -17,13 +17,6 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    LENGTH = "length"
-    EOS_TOKEN = "eos_token"
-    STOP_SEQUENCE = "stop_sequence"
-    ABORTED = "aborted"
 
 
 @dataclass(eq=False)
@@ -46,7 +39,7 @@ class Request:
     first_scheduled_time: float | None = None
     adapter_id: str | None = None  # None: the base model
     adapter_slot: int | None = None  # the device slot of its adapter, while running
-    # Its images (an engine.images.ImageInputs), already expanded into placeholder tokens in prompt_ids;
+    # Its images (a multimodal.image_inputs.ImageInputs), already expanded into placeholder tokens in prompt_ids;
     # the scheduler only ever sees the token counts.
     images: Any = None
     # Encoder-decoder models: the encoder's input (what the client sent; `prompt_ids` is then the decoder's
@@ -61,7 +54,7 @@ class Request:
     num_states: int = 0
     # Whether its cross-attention states are in `cross_block_ids` (made at its first step after admission).
     states_ready: bool = False
-    # Structured output: the request's grammar matcher (loraplex.structured), fed each generated token.
+    # Structured output: the request's grammar matcher (engine/grammars.py), fed each generated token.
     grammar: Any = None
     # Prefix caching (engine.prefix_cache): the root of its blocks' hash chain (None: never cached), the digest
     # of its images, its full blocks' hashes as far as computed, and how many of its `block_ids` (from the

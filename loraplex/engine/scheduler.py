@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 from loraplex.engine.joins import WaitingJoins
 from loraplex.engine.kv_cache import BlockAllocator, blocks_for
 from loraplex.engine.prefix_cache import block_hashes
-from loraplex.engine.request import FinishReason, Request, RequestStatus
+from loraplex.engine.request import Request, RequestStatus
 from loraplex.lora.residency import AdapterResidency
+from loraplex.params import FinishReason
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from loraplex.engine.request import Request, RequestStatus
+
 MAX_NGRAM = 3
 MIN_NGRAM = 2
 
@@ -71,6 +73,13 @@ def drafts_for(request, most: int, max_total_tokens: int) -> list[int]:
     if drafts and request.grammar is not None:
         drafts = drafts_within_grammar(request.grammar, drafts)
     return drafts
+
+
+def propose_drafts(requests: Sequence[Request], most: int, max_total_tokens: int) -> None:
+    """Drafts for the next step of each of the step's requests still decoding."""
+    for request in requests:
+        if request.status is RequestStatus.RUNNING and request.num_uncomputed_tokens == 1:
+            request.draft_ids = drafts_for(request, most, max_total_tokens)
 
 
 def drafts_within_grammar(matcher, drafts: list[int]) -> list[int]:

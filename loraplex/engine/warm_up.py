@@ -93,7 +93,7 @@ def _zero_adapter(engine) -> LoraAdapter | None:
 def _ordinary_tokens(engine) -> list[int]:
     """Token ids that are not special (no image placeholder, no start or end of sequence)."""
     c = engine.model_config
-    special = {c.bos_token_id, *c.eos_token_ids, engine.image_token_id}
+    special = {c.bos_token_id, *c.eos_token_ids, engine.inputs.image_token_id}
     return [t for t in range(min(c.vocab_size, 1000)) if t not in special]
 
 

@@ -18,8 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_serializer
 
-from loraplex.engine.request import FinishReason
-from loraplex.params import SamplingParams, TokenInfo
+from loraplex.params import FinishReason, SamplingParams, TokenInfo
 from loraplex.protocol.base import (
     MAX_REPETITION_PENALTY,
     MIN_LOGPROB,  # noqa: F401 (the floor reported logprobs are clamped to; imported from here)

@@ -54,11 +54,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
 
 def adapter_store(engine: Engine, config: ServerConfig) -> AdapterStore:
     """The store for the server's adapters, with `--preloaded-adapter-ids` loaded (a failure stops the start)."""
-    layers = engine.lora.layers
+    targets = engine.adapter_targets()
     store = AdapterStore(
-        engine.lora.base_shapes, engine.config.max_lora_rank, config.adapter_roots, config.adapter_source,
-        config.max_cpu_adapters, base_weight=lambda m: layers[m].weight,
-        checkpoint_name=getattr(engine.runner.model, "checkpoint_name", None), access_ttl_s=config.adapter_access_ttl_s,
+        targets.base_shapes, targets.max_rank, config.adapter_roots, config.adapter_source,
+        config.max_cpu_adapters, base_weight=targets.base_weight,
+        checkpoint_name=targets.checkpoint_name, access_ttl_s=config.adapter_access_ttl_s,
     )
     store.preload(config.preloaded_adapter_ids)
     return store

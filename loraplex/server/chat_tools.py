@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex.engine.request import FinishReason
+from loraplex.params import FinishReason
 from loraplex.protocol.openai import (
     AssistantMessage,
     DeltaMessage,

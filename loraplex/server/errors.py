@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loraplex.engine.engine import RequestRefused
+from loraplex.engine.request import RequestRefused
 from loraplex.lora.adapter import AdapterInvalid, AdapterNotFound
 from loraplex.multimodal import MediaError
 from loraplex.server import request_log

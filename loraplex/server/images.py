@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from loraplex.engine.images import ImageInputs
+from loraplex.multimodal.image_inputs import ImageInputs
+from loraplex.engine.inputs import ImagesWithoutPlaceholders
+from loraplex.engine.request import RequestRefused
 from loraplex.multimodal import load_images
 from loraplex.server.errors import BadRequest
 from loraplex.server.state import ServerState
@@ -18,6 +20,14 @@ def image_placeholder(state: ServerState) -> str:
     return state.core.processor.image_token if state.core.takes_images else "<image>"
 
 
+def check_takes_images(state: ServerState, param: str) -> None:
+    """A request with images for a model that takes none is refused, naming the field they came in."""
+    try:
+        state.core.inputs.check_takes_images()
+    except RequestRefused as refused:
+        raise BadRequest(str(refused), param) from None
+
+
 async def encode_prompt(
     state: ServerState, prompt: str, urls: list[str], add_special_tokens: bool, param: str
 ) -> tuple[list[int], ImageInputs | None]:
@@ -26,8 +36,7 @@ async def encode_prompt(
     if not urls:
         # Off the event loop: a long prompt takes the tokenizer seconds, during which nothing else would answer.
         return await asyncio.to_thread(state.tokenizer.encode, prompt, add_special_tokens=add_special_tokens), None
-    if not state.core.takes_images:
-        raise BadRequest(f"model {state.model_id!r} does not take images (it is a text-only model)", param)
+    check_takes_images(state, param)
     images = await load_images(urls, state.config.media)
     processor = state.core.processor
     started = time.perf_counter()
@@ -40,9 +49,10 @@ async def encode_prompt(
     state.metrics.on_images(len(images), time.perf_counter() - started)
     ids = out["input_ids"][0].tolist()
     token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    placed = sum(1 for t in ids if t == token_id)
-    if placed == 0:
-        raise BadRequest("the prompt has no place for its images (the chat template dropped them)", param)
     inputs = ImageInputs.from_processor(out, [(image.height, image.width) for image in images], token_id)
+    try:
+        state.core.inputs.check_images(ids, inputs)
+    except ImagesWithoutPlaceholders:
+        raise BadRequest("the prompt has no place for its images (the chat template dropped them)", param) from None
     await asyncio.to_thread(lambda: inputs.digest)  # hashed here, not on the engine thread (prefix caching)
     return ids, inputs

@@ -1,7 +1,9 @@
-"""The edge's size limits, shared by the native and OpenAI routes; messages name the limit and its value."""
+"""The edge's size limits, shared by the native and OpenAI routes: the engine's input processor checks
+(engine/inputs.py), its refusals said in the request's own field names; messages name the limit and its value."""
 
 from __future__ import annotations
 
+from loraplex.engine.inputs import PromptEmpty, PromptTooLong, SequenceTooLong
 from loraplex.server.errors import BadRequest
 from loraplex.server.state import ServerState
 
@@ -9,22 +11,22 @@ from loraplex.server.state import ServerState
 def check_prompt_and_budget(
     state: ServerState, prompt_ids: list[int], max_new_tokens: int, prompt_field: str, max_new_field: str
 ) -> None:
-    if not prompt_ids:
-        raise BadRequest(f"{prompt_field} must not be empty (it has no tokens)", prompt_field)
-    max_input = state.core.config.max_input_length
-    if len(prompt_ids) > max_input:
+    try:
+        state.core.inputs.check_lengths(len(prompt_ids), max_new_tokens)
+    except PromptEmpty:
+        raise BadRequest(f"{prompt_field} must not be empty (it has no tokens)", prompt_field) from None
+    except PromptTooLong as refused:
         raise BadRequest(
-            f"{prompt_field} must have at most {max_input} tokens (max input length); got {len(prompt_ids)}",
+            f"{prompt_field} must have at most {refused.limit} tokens (max input length); got {refused.num_tokens}",
             prompt_field,
-        )
-    max_total = state.core.max_total_tokens
-    in_sequence = state.core.sequence_tokens_of_prompt(len(prompt_ids))
-    if in_sequence + max_new_tokens > max_total:
-        what = f"{prompt_field} tokens" if in_sequence == len(prompt_ids) else "the decoder's start token"
+        ) from None
+    except SequenceTooLong as refused:
+        what = "the decoder's start token" if refused.decoder_start else f"{prompt_field} tokens"
         raise BadRequest(
-            f"{what} + {max_new_field} must be <= {max_total} (max total tokens); got {in_sequence} + {max_new_tokens}",
+            f"{what} + {max_new_field} must be <= {refused.limit} (max total tokens); "
+            f"got {refused.in_sequence} + {refused.max_new_tokens}",
             max_new_field,
-        )
+        ) from None
 
 
 def check_stop_sequences(state: ServerState, num_stops: int) -> None:

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from loraplex.engine.request import FinishReason
+from loraplex.params import FinishReason
 from loraplex.server import request_log
 
 if TYPE_CHECKING:
-    from loraplex.engine.engine import Engine, RequestOutput
+    from loraplex.engine.engine import Engine
+    from loraplex.engine.output import RequestOutput
+    from loraplex.engine.stats import EngineStats
     from loraplex.server.admission import Admission
 
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -171,43 +173,39 @@ class _VllmRequestMetrics:
 
 
 class _EngineGauges:
-    """Scrape-time reads of the engine's queues and KV cache (plain reads of counters; no lock needed)."""
+    """Scrape-time reads of the engine's queues, KV cache and counters, from its stats snapshot."""
 
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
 
     def collect(self):
-        scheduler = self.engine.scheduler
-        waiting, running = len(scheduler.waiting), len(scheduler.running)
-        usage = scheduler.allocator.usage
-        yield _gauge("lorax_queue_length", "Requests waiting", waiting)
-        yield _gauge("lorax_batch_current_size", "Requests in the running batch", running)
-        yield _gauge("vllm:num_requests_waiting", "Requests waiting", waiting)
-        yield _gauge("vllm:num_requests_running", "Requests running", running)
-        yield _gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1", usage)
-        if scheduler.state_allocator is not scheduler.allocator:  # Mllama: image states in a pool of their own
-            yield _gauge("loraplex_state_cache_usage_perc", "Image state cache usage, 0..1", scheduler.state_allocator.usage)
+        stats = self.engine.stats()
+        yield _gauge("lorax_queue_length", "Requests waiting", stats.num_waiting)
+        yield _gauge("lorax_batch_current_size", "Requests in the running batch", stats.num_running)
+        yield _gauge("vllm:num_requests_waiting", "Requests waiting", stats.num_waiting)
+        yield _gauge("vllm:num_requests_running", "Requests running", stats.num_running)
+        yield _gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1", stats.kv_cache_usage)
+        if stats.state_cache_usage is not None:  # Mllama: image states in a pool of their own
+            yield _gauge("loraplex_state_cache_usage_perc", "Image state cache usage, 0..1", stats.state_cache_usage)
         # vLLM's names, in tokens, so dashboards and routers that read a prefix-cache hit rate read ours.
         yield CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                  value=scheduler.prefix_queries)
+                                  value=stats.prefix_cache_queries)
         yield CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                  value=scheduler.prefix_hits)
-        counters = self.engine.runner.vision_counters
-        if counters is not None:
+                                  value=stats.prefix_cache_hits)
+        if stats.encoded_images is not None:
             yield CounterMetricFamily("loraplex_vision_encoded_images", "Images run through the vision tower",
-                                      value=counters.encoded_images)
+                                      value=stats.encoded_images)
             yield CounterMetricFamily("loraplex_vision_encoder_seconds", "Seconds spent in the vision tower and projector",
-                                      value=counters.encode_seconds)
+                                      value=stats.vision_encoder_seconds)
         yield CounterMetricFamily("vllm:num_preemptions", "Requests preempted (KV cache full), recomputed later",
-                                  value=scheduler.num_preemptions)
-        yield from _spec_decode_counters(self.engine.spec_decode)
+                                  value=stats.num_preemptions)
+        yield from _spec_decode_counters(stats)
         info = GaugeMetricFamily(
             "vllm:lora_requests_info", "Adapters of running and waiting requests",
             labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
         )
-        adapters = self.engine.adapter_ids
-        slots = str(self.engine.scheduler.slots.num_slots)
-        info.add_metric([",".join(adapters["running"]), ",".join(adapters["waiting"]), slots], time.time())
+        info.add_metric([",".join(stats.running_adapters), ",".join(stats.waiting_adapters), str(stats.max_adapters)],
+                        time.time())
         yield info
 
     def describe(self):
@@ -230,12 +228,13 @@ class _AdmissionGauges:
         return []
 
 
-def _spec_decode_counters(counters):
+def _spec_decode_counters(stats: "EngineStats"):
     """Speculative decoding's drafted and accepted tokens, under loraplex's names and vLLM's (`_total` added)."""
     for prefix in ("loraplex_spec_decode_", "vllm:spec_decode_num_"):
-        yield CounterMetricFamily(prefix + "draft_tokens", "Draft tokens the model verified", value=counters.draft_tokens)
+        yield CounterMetricFamily(prefix + "draft_tokens", "Draft tokens the model verified",
+                                  value=stats.spec_draft_tokens)
         yield CounterMetricFamily(prefix + "accepted_tokens", "Draft tokens the model accepted",
-                                  value=counters.accepted_tokens)
+                                  value=stats.spec_accepted_tokens)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

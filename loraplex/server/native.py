@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loraplex import __version__
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.store import MergeSpec
 from loraplex.params import SamplingParams
@@ -29,7 +29,7 @@ from loraplex.protocol.native import (
     Token,
     TokenizeRequest,
 )
-from loraplex.engine.images import ImageInputs
+from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.multimodal import split_markdown_images
 from loraplex.protocol.errors import Unsupported
 from loraplex.server.docs import EVENTS, JSON_OR_EVENTS

@@ -18,8 +18,8 @@ from typing import TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from loraplex.engine.engine import RequestOutput
-from loraplex.engine.images import ImageInputs
+from loraplex.engine.output import RequestOutput
+from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.params import SamplingParams, TokenInfo
 from loraplex.protocol.openai import (
@@ -47,7 +47,7 @@ from loraplex.server.chat_tools import AnswerStream, ToolAnswers, chat_prompt
 from loraplex.server.docs import JSON_OR_EVENTS
 from loraplex.server.errors import OPENAI_GENERATE_ERRORS, BadRequest, ModelNotFound, documented_errors
 from loraplex.server.grammars import compile_grammars
-from loraplex.server.images import encode_prompt
+from loraplex.server.images import check_takes_images, encode_prompt
 from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences
 from loraplex.server.request_log import note_adapter
 from loraplex.server.state import (
@@ -202,14 +202,13 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
     urls: list[str] = []
     if any(isinstance(m["content"], list) for m in messages):  # image parts: {"type": "image"} + their URLs
         messages, urls = split_chat_images(messages)
-        if not state.core.takes_images:
-            raise BadRequest(f"model {state.model_id!r} does not take images (it is a text-only model)", "messages")
+        check_takes_images(state, "messages")
     try:
         prompt = await asyncio.to_thread(chat_prompt, state, messages, plan)  # templates can be slow: off the loop
     except Exception as exc:  # no template, or the template refused these messages
         raise BadRequest(f"messages cannot be turned into a prompt: {exc}", "messages") from exc
     ids, images = await encode_prompt(state, prompt, urls, False, "messages")
-    room = state.core.max_total_tokens - state.core.sequence_tokens_of_prompt(len(ids))
+    room = state.core.max_total_tokens - state.core.inputs.sequence_tokens_of_prompt(len(ids))
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, room)
     check_prompt_and_budget(state, ids, max_tokens, "messages", "max_tokens")
     top_n = (body.top_logprobs or 0) if body.logprobs else 0

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 from loraplex.server import tracing
 
 if TYPE_CHECKING:
-    from loraplex.engine.engine import RequestOutput
+    from loraplex.engine.output import RequestOutput
 
 log = logging.getLogger("loraplex.requests")
 MAX_REQUEST_ID = 128  # longer (or unprintable) x-request-id headers are replaced by our own id
@@ -48,6 +48,16 @@ class RequestRecord:
         self.generated_tokens += final.num_generated_tokens
         self.queue_seconds = max(self.queue_seconds, queue)
         self.inference_seconds = max(self.inference_seconds, total - queue)
+
+    def span_attributes(self) -> dict:
+        """The record's facts as its trace span carries them (tracing.py)."""
+        return {
+            "http.request.method": self.method, "http.route": self.route, "http.response.status_code": self.status,
+            "loraplex.request_id": self.request_id, "loraplex.adapter": self.adapter or "",
+            "loraplex.prompt_tokens": self.prompt_tokens, "loraplex.generated_tokens": self.generated_tokens,
+            "loraplex.queue_seconds": self.queue_seconds, "loraplex.inference_seconds": self.inference_seconds,
+            "loraplex.complete": self.complete,
+        }
 
     def fields(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -99,7 +109,8 @@ class RequestLog:
             fields = record.fields()
             log.log(logging.WARNING if record.status >= 500 else logging.INFO, key_values(fields),
                     extra={"fields": fields})
-            tracing.record_span(record, started_ns, time.time_ns(), scope.get("headers", ()))
+            tracing.record_span(f"{record.method} {record.route}", record.span_attributes(), record.status >= 500,
+                                started_ns, time.time_ns(), scope.get("headers", ()))
 
 
 def _request_id(scope) -> str:

@@ -18,8 +18,9 @@ from fastapi import Request
 
 from loraplex.config import ServerConfig
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.engine import Engine, RequestOutput
-from loraplex.engine.images import ImageInputs
+from loraplex.engine.engine import Engine
+from loraplex.engine.output import RequestOutput
+from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.store import AdapterStore, MergeSpec
 from loraplex.params import SamplingParams, TokenInfo

@@ -7,11 +7,6 @@ it a child of the client's span. Needs the `otlp` extra (opentelemetry-sdk, open
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from loraplex.server.request_log import RequestRecord
-
 _tracer = None
 _provider = None
 
@@ -44,25 +39,17 @@ def flush() -> None:
         _provider.force_flush()
 
 
-def record_span(record: "RequestRecord", start_ns: int, end_ns: int, headers) -> None:
-    """The request's span, from its finished log record (no-op unless configure_tracing ran)."""
+def record_span(name: str, attributes: dict, failed: bool, start_ns: int, end_ns: int, headers) -> None:
+    """One request's span, from its finished log record's facts (no-op unless configure_tracing ran)."""
     if _tracer is None:
         return
     from opentelemetry.trace import Status, StatusCode
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    carrier = {name.decode("latin-1"): value.decode("latin-1") for name, value in headers
-               if name in (b"traceparent", b"tracestate")}
+    carrier = {key.decode("latin-1"): value.decode("latin-1") for key, value in headers
+               if key in (b"traceparent", b"tracestate")}
     parent = TraceContextTextMapPropagator().extract(carrier) if carrier else None
-    attributes = {
-        "http.request.method": record.method, "http.route": record.route, "http.response.status_code": record.status,
-        "loraplex.request_id": record.request_id, "loraplex.adapter": record.adapter or "",
-        "loraplex.prompt_tokens": record.prompt_tokens, "loraplex.generated_tokens": record.generated_tokens,
-        "loraplex.queue_seconds": record.queue_seconds, "loraplex.inference_seconds": record.inference_seconds,
-        "loraplex.complete": record.complete,
-    }
-    span = _tracer.start_span(f"{record.method} {record.route}", context=parent, start_time=start_ns,
-                              attributes=attributes)
-    if record.status >= 500:
+    span = _tracer.start_span(name, context=parent, start_time=start_ns, attributes=attributes)
+    if failed:
         span.set_status(Status(StatusCode.ERROR))
     span.end(end_time=end_ns)

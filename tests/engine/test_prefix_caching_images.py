@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.engine.images import ImageInputs
+from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for
 from tests.mllama_fixtures import pictures, request_inputs, tiny_pair

@@ -152,7 +152,7 @@ def test_grammar_rows_are_masked_after_their_drafts(make_engine, embedded):
     assert re.fullmatch(r'\{\s*"city": ".*", "sea": ".*"\s*\}', got.generated_text.strip())
     assert engine.spec_decode.accepted_tokens > 0
     # The masks themselves: each row's equals the mask of a matcher that took the drafts before it.
-    matcher = engine._grammar_matcher(params.grammar)
+    matcher = engine.inputs.grammars.matcher(params.grammar)
     drafts = got.token_ids[:6]
     assert drafts_within_grammar(matcher, drafts) == drafts
     vocab = engine.model_config.vocab_size

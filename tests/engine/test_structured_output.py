@@ -11,9 +11,9 @@ import re
 import pytest
 
 from loraplex.config import EngineConfig
-from loraplex.engine.engine import Engine, RequestRefused
-from loraplex.engine.request import FinishReason
-from loraplex.params import GrammarSpec, SamplingParams
+from loraplex.engine.engine import Engine
+from loraplex.engine.request import RequestRefused
+from loraplex.params import FinishReason, GrammarSpec, SamplingParams
 
 SCHEMA = {
     "type": "object",

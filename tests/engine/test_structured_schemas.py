@@ -18,8 +18,9 @@ import pytest
 
 from loraplex.config import EngineConfig
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.engine import Engine, RequestRefused
-from loraplex.engine.request import FinishReason
+from loraplex.engine.engine import Engine
+from loraplex.engine.request import RequestRefused
+from loraplex.params import FinishReason
 from loraplex.lora.store import AdapterStore
 from loraplex.params import GrammarSpec, SamplingParams
 from loraplex.engine.grammars import Grammars

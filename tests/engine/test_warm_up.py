@@ -51,7 +51,7 @@ def test_warm_up_leaves_the_engine_as_it_found_it(make_engine):
     assert report.requests == 4 and report.graphs_captured == 0  # CPU: no graphs
     # The two long prompts overflow a step's prompt budget: one of them runs in two chunks (a resumed prompt).
     assert steps[0] == {"req-0": 48, "req-1": 16} and steps[1] == {"req-0": 1, "req-1": 32}
-    assert not engine.has_unfinished and not engine._adapters
+    assert not engine.has_unfinished and not engine.adapters.in_use
     assert engine.lora.occupant == [None, None] and engine.scheduler.slots.slot_of(WARM_UP_KEY) is None
     assert allocator.num_free == free and allocator.num_used == 0
 

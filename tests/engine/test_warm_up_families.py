@@ -43,7 +43,7 @@ def test_every_family_warms_up_and_still_answers(family, tmp_path):
     assert engine.warms_up
     report = engine.warm_up()
     assert report.requests == 4  # two long prompts, then one short one over the zero adapter and one without
-    assert not engine.has_unfinished and not engine._adapters and engine.lora.occupant == [None, None]
+    assert not engine.has_unfinished and not engine.adapters.in_use and engine.lora.occupant == [None, None]
     assert engine.scheduler.allocator.num_used == 0
     out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert len(out[0].token_ids) == 3

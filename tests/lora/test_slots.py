@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from loraplex.engine.request import FinishReason, Request, RequestStatus
+from loraplex.engine.request import Request, RequestStatus
+from loraplex.params import FinishReason
 from loraplex.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from loraplex.lora.residency import AdapterResidency
 from loraplex.params import SamplingParams

@@ -12,7 +12,7 @@ import torch
 
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
-from loraplex.engine.images import ImageInputs
+from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.example_models.mllama import EXAMPLE_MLLAMA_MODEL_ID, example_mllama_dir
 from loraplex.example_models.vision import make_shape_image
 from loraplex.params import SamplingParams

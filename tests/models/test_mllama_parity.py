@@ -13,8 +13,8 @@ from transformers.models.mllama.processing_mllama import get_cross_attention_tok
 
 from loraplex.models.registry import config_from_hf
 from loraplex.engine.image_states import image_rows
-from loraplex.engine.images import ImageInputs
-from loraplex.engine.engine import RequestRefused
+from loraplex.multimodal.image_inputs import ImageInputs
+from loraplex.engine.request import RequestRefused
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for, image_model_logits
 from tests.mllama_fixtures import (

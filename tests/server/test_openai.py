@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.engine import RequestOutput, RequestRefused
-from loraplex.engine.request import FinishReason
-from loraplex.params import SamplingParams, TokenInfo
+from loraplex.engine.output import RequestOutput
+from loraplex.engine.request import RequestRefused
+from loraplex.params import FinishReason, SamplingParams, TokenInfo
 from loraplex.server.app import create_app
 from loraplex.server.openai_routes import Job, Renderer, start_all, stream_events
 from loraplex.server.state import GenerationFailed

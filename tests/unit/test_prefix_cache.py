@@ -5,7 +5,8 @@ import pytest
 
 from loraplex.engine.kv_cache import BlockAllocator
 from loraplex.engine.prefix_cache import block_hashes, root_key
-from loraplex.engine.request import FinishReason, Request
+from loraplex.engine.request import Request
+from loraplex.params import FinishReason
 from loraplex.engine.scheduler import Scheduler, SchedulerConfig
 from loraplex.params import SamplingParams
 from tests.unit.test_scheduler import run_step

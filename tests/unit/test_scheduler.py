@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from loraplex.engine.kv_cache import BlockAllocator, blocks_for
-from loraplex.engine.request import FinishReason, Request, RequestStatus
+from loraplex.engine.request import Request, RequestStatus
+from loraplex.params import FinishReason
 from loraplex.engine.scheduler import Scheduler, SchedulerConfig
 from loraplex.params import SamplingParams
 

@@ -1,0 +1,50 @@
+"""Memory sizing: how many KV cache blocks the engine makes, from the device's free memory and what else must fit."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from loraplex.config import EngineConfig
+from loraplex.engine.decode_graphs import BATCH_SIZES as GRAPH_BATCH_SIZES
+from loraplex.engine.kv_cache import blocks_for
+from loraplex.engine.loading import LoadedModel
+
+CPU_KV_CACHE_CAP_BYTES = 2 << 30
+
+
+def kv_cache_blocks(cfg: EngineConfig, loaded: LoadedModel) -> int:
+    if cfg.max_batch_total_tokens is not None:
+        return blocks_for(cfg.max_batch_total_tokens, cfg.block_size)
+    mc = loaded.config
+    bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * loaded.dtype.itemsize
+    if loaded.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(loaded.device)
+        free -= (1.0 - cfg.cuda_memory_fraction) * total  # the share of the device not ours
+        budget = free * (cfg.kv_cache_memory_fraction or 0.85) - reserved_bytes(cfg, loaded, total)
+    else:  # CPU: host memory is shared with everything else; a modest slice, capped
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = min(available * (cfg.kv_cache_memory_fraction or 0.1), CPU_KV_CACHE_CAP_BYTES)
+        if cfg.kv_cache_memory_fraction is None:
+            # and no more than the weights: a CPU computes few sequences at once, so a small model needs
+            # little cache.
+            budget = min(budget, sum(p.numel() * p.element_size() for p in loaded.model.parameters()))
+    # At least one longest request.
+    tokens = max(cfg.max_total_tokens, int(budget) // bytes_per_token)
+    return blocks_for(tokens, cfg.block_size)
+
+
+def reserved_bytes(cfg: EngineConfig, loaded: LoadedModel, total: int) -> int:
+    """CUDA memory kept out of the KV cache: the adapters' slots (every linear at the largest rank, for every
+    slot, at most `adapter_memory_fraction` of the device) and the decode graphs' activations and logits (at
+    their largest batch, counted in float32 to be safe)."""
+    mc = loaded.config
+    linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    per_slot = sum(m.in_features + m.out_features for m in linears) * cfg.max_lora_rank * loaded.dtype.itemsize
+    adapters = min(cfg.max_active_adapters * per_slot, int(cfg.adapter_memory_fraction * total))
+    graphs = 0
+    if cfg.cuda_graphs:
+        row = mc.vocab_size + 4 * mc.intermediate_size + 8 * mc.hidden_size + 64 * mc.num_heads * mc.head_dim
+        graphs = min(cfg.max_num_seqs, GRAPH_BATCH_SIZES[-1]) * row * 4
+    return adapters + graphs
