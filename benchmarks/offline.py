@@ -1,7 +1,8 @@
 """Offline throughput benchmark: loraplex against Hugging Face transformers, measured in one run.
 
     loraplex bench [--workload equal|mixed|adapters|vision|seq2seq|all] [--requests 32] [--one-at-a-time-requests 8]
-                   [--model-id ID] [--family t5|bart|both] [--seed 0] [--repeats 1] [--adapters 8] [--adapter-rank 16]
+                   [--prompt-tokens 128] [--new-tokens N] [--model-id ID] [--family t5|bart|both] [--seed 0]
+                   [--repeats 1] [--adapters 8] [--adapter-rank 16]
                    [--rotation-adapters 64] [--rotation-slots 8] [--json PATH]
 
 Every system is warmed up once on a small run (excluded), then timed with time.perf_counter on the same prompts.
@@ -201,7 +202,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rotation-adapters", type=int, default=64,
                    help="adapters workload: adapters (one request each) rotating through --rotation-slots slots")
     p.add_argument("--rotation-slots", type=int, default=8, help="max_active_adapters of the rotation run")
-    p.add_argument("--new-tokens", type=int, default=16, help="vision workload: new tokens per request")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="equal workload: tokens per prompt")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help="equal and vision workloads: new tokens per request (default: equal 32, vision 16)")
     p.add_argument("--vision-model", choices=["llava", "mllama"], default="llava",
                    help="vision workload: the example LLaVA-NeXT or the example Mllama")
     p.add_argument("--family", choices=["t5", "bart", "both"], default="both", help="seq2seq workload: model family")
@@ -214,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload == "vision":  # its own model (the example VLM) and peer
         from benchmarks.vision import bench_vision, format_vision
 
-        result = bench_vision(args.requests, args.new_tokens, args.repeats, args.seed, args.vision_model)
+        new_tokens = 16 if args.new_tokens is None else args.new_tokens
+        result = bench_vision(args.requests, new_tokens, args.repeats, args.seed, args.vision_model)
         print(format_vision(result), flush=True)
         if args.json:
             with open(args.json, "w") as f:
@@ -241,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab, special = engine.model_config.vocab_size, hf_tok.all_special_ids
     workloads = {
-        "equal": lambda: equal_workload(args.requests, vocab, special, seed=args.seed),
+        "equal": lambda: equal_workload(args.requests, vocab, special, prompt_len=args.prompt_tokens,
+                                        new_tokens=32 if args.new_tokens is None else args.new_tokens, seed=args.seed),
         "mixed": lambda: mixed_workload(args.requests, vocab, special, seed=args.seed),
     }
     setting = f"{engine.device.type} {str(engine.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads"

@@ -8,13 +8,10 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import live_server
-
 
 @pytest.fixture(scope="module")
-def server():
-    with live_server("--max-batch-total-tokens", "8192", "--max-concurrent-requests", "4") as url:
-        yield url
+def server(api_server):
+    return api_server
 
 
 def test_generate_and_stream_agree(server):

@@ -18,16 +18,14 @@ from loraplex.params import FinishReason, SamplingParams, TokenInfo
 from loraplex.server.app import create_app
 from loraplex.server.openai_routes import Job, Renderer, start_all, stream_events
 from loraplex.server.state import GenerationFailed
-from tests.helpers import live_server
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 HELLO = [{"role": "user", "content": "Say hello."}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    with live_server("--max-batch-total-tokens", "8192", "--max-concurrent-requests", "4") as url:
-        yield url
+def server(api_server):
+    return api_server
 
 
 @pytest.fixture(scope="module")

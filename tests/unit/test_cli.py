@@ -97,7 +97,8 @@ def test_json_output_makes_every_line_json():
 
 
 def test_bench_takes_its_options():
-    run = loraplex("bench", "--workload", "equal", "--requests", "2", "--one-at-a-time-requests", "1", timeout=900)
+    run = loraplex("bench", "--workload", "equal", "--requests", "2", "--one-at-a-time-requests", "1",
+                   "--prompt-tokens", "16", "--new-tokens", "4", timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "equal" in run.stdout and "tok/s" in run.stdout
     rejected = loraplex("bench", "--workload", "nonsense")
