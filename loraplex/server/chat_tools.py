@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.params import FinishReason
-from loraplex.protocol.openai import (
+from loraplex.protocol.openai_responses import (
     AssistantMessage,
     DeltaMessage,
     FinishReasonName,

@@ -22,22 +22,20 @@ from loraplex.engine.output import RequestOutput
 from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.params import SamplingParams, TokenInfo
-from loraplex.protocol.openai import (
+from loraplex.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
+from loraplex.protocol.openai_responses import (
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatStreamChoice,
     ChoiceLogprobs,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     DeltaMessage,
     ModelCard,
     ModelList,
-    SamplingFields,
     UsageInfo,
     finish_reason_name,
 )

@@ -218,7 +218,8 @@ def test_response_logprobs_are_finite():
     """-inf (a masked token) and NaN become the one finite floor JSON can carry."""
     from loraplex.params import TokenInfo
     from loraplex.protocol.native import Token
-    from loraplex.protocol.openai import MIN_LOGPROB, TopLogprob, logprob
+    from loraplex.protocol.base import MIN_LOGPROB
+    from loraplex.protocol.openai_responses import TopLogprob, logprob
 
     for value in (-math.inf, math.nan, math.inf):
         assert logprob(value) == MIN_LOGPROB

@@ -1,4 +1,8 @@
-"""Imports go down only (DESIGN.md §2): cli -> server -> protocol -> engine -> models -> layers; lora beside layers."""
+"""The tree's rules (DESIGN.md §2), kept by tests: imports go down only (cli -> server -> protocol -> engine -> models
+-> layers; lora beside layers; checkpoints, quantization below the engine), LoRA kernels import nothing from layers/,
+the server never reaches into the engine's parts, no import circle, no product file over 500 lines."""
+
+from __future__ import annotations
 
 import ast
 import pathlib
@@ -6,40 +10,189 @@ import pathlib
 import loraplex
 
 ROOT = pathlib.Path(loraplex.__file__).parent
+MAX_LINES = 500
 
-# package -> loraplex packages it must never import
+# The packages and top-level modules above the engine, and the engine itself.
+ABOVE_MODELS = {"engine", "server", "protocol", "cli"}
+# package or top-level module -> loraplex packages and modules it must never import
 FORBIDDEN = {
-    "models": {"engine", "server", "protocol", "cli", "lora"},
-    "layers": {"engine", "server", "protocol", "cli", "models", "lora"},
-    "lora": {"engine", "server", "protocol", "cli", "models"},
+    "models": ABOVE_MODELS | {"lora", "quantization"},
+    "layers": ABOVE_MODELS | {"models", "lora", "checkpoints", "quantization", "example_models"},
+    "lora": ABOVE_MODELS | {"models", "example_models"},
+    "quantization": ABOVE_MODELS | {"models", "lora", "layers", "example_models"},
+    "checkpoints": ABOVE_MODELS | {"models", "lora", "layers", "quantization", "example_models"},
+    "kernels": ABOVE_MODELS | {"models", "lora", "layers", "checkpoints", "quantization", "example_models"},
     "engine": {"server", "protocol", "cli"},
     "protocol": {"server", "cli"},
     "server": {"cli"},
-    "multimodal": {"engine", "server", "protocol", "cli", "models", "lora", "layers"},
+    "multimodal": ABOVE_MODELS | {"models", "lora", "layers", "checkpoints", "quantization", "example_models"},
+    # the loose modules at the top
+    "config": ABOVE_MODELS | {"models", "lora", "layers", "checkpoints", "quantization", "example_models"},
+    "params": ABOVE_MODELS | {"models", "lora", "layers", "checkpoints", "quantization", "example_models"},
+    "environment": ABOVE_MODELS | {"models", "lora", "layers", "checkpoints", "quantization", "example_models"},
+    "tokenizer": ABOVE_MODELS | {"models", "lora", "layers", "checkpoints", "quantization", "example_models"},
+    "sampling": ABOVE_MODELS | {"models", "lora", "layers", "checkpoints", "quantization", "example_models"},
 }
 
 
-def loraplex_imports(path: pathlib.Path) -> set[str]:
+def module_files() -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, for every module of the package."""
+    files = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = path
+    return files
+
+
+def imported_modules(path: pathlib.Path, package: str) -> set[str]:
+    """Every loraplex module `path` imports (absolute or relative, at the top or inside a function), dotted."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return {n.split(".")[1] for n in names if n.startswith("loraplex.") and n.count(".") >= 1}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names)
+    return {n for n in names if n == "loraplex" or n.startswith("loraplex.")}
+
+
+def top_part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = module_files()
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        deps = {known(n) for n in imported_modules(path, package)}
+        graph[module] = {d for d in deps if d and d != module and d != "loraplex"}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return circles
 
 
 def test_imports_go_down_only():
     offences = []
-    for package, forbidden in FORBIDDEN.items():
-        for path in (ROOT / package).rglob("*.py"):
-            bad = loraplex_imports(path) & forbidden
-            if bad:
-                offences.append(f"{path.relative_to(ROOT)} imports {sorted(bad)}")
+    for module, deps in import_graph().items():
+        forbidden = FORBIDDEN.get(top_part(module) or "", set())
+        bad = {top_part(d) for d in deps} & forbidden
+        if bad:
+            offences.append(f"{module} imports {sorted(bad)}")
     assert not offences, offences
 
 
-def test_the_rule_checker_sees_imports(tmp_path):
+def test_lora_kernels_import_nothing_from_layers():
+    offences = [f"{m} imports {sorted(d for d in deps if top_part(d) == 'layers')}"
+                for m, deps in import_graph().items()
+                if m.startswith("loraplex.lora.kernels") and any(top_part(d) == "layers" for d in deps)]
+    assert not offences, offences
+
+
+def test_no_import_circles():
+    assert import_circles(import_graph()) == []
+
+
+ENGINE_PARTS = {"runner", "scheduler", "lora", "allocator", "slots"}
+
+
+def reaches_into_engine(path: pathlib.Path) -> list[str]:
+    """`<engine>.runner`, `<engine>.scheduler`, ... in a server file, where <engine> is a name or attribute called
+    `engine` or `core` (the server's handles on the Engine)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_PARTS:
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else None
+            if name in ("engine", "core"):
+                found.append(f"{path.name}:{node.lineno} .{name}.{node.attr}")
+    return found
+
+
+def test_the_server_never_reaches_into_the_engine():
+    offences = [hit for path in (ROOT / "server").rglob("*.py") for hit in reaches_into_engine(path)]
+    offences += [f"{m} imports {d}" for m, deps in import_graph().items() if m.startswith("loraplex.server")
+                 for d in deps if d in ("loraplex.engine.runner", "loraplex.engine.scheduler")]
+    assert not offences, offences
+
+
+def test_no_product_file_over_500_lines():
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+# ---- the checkers themselves see what they look for ---------------------------------------------------------------
+
+
+def test_the_import_reader_sees_absolute_relative_and_local_imports(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("import loraplex.engine.runner\nfrom loraplex.server.app import create_app\n")
-    assert loraplex_imports(module) == {"engine", "server"}
+    module.write_text("import loraplex.engine.runner\nfrom loraplex.server.app import create_app\n"
+                      "def f():\n    from ..lora import plan\n")
+    found = imported_modules(module, "loraplex.engine")
+    assert {"loraplex.engine.runner", "loraplex.server.app", "loraplex.lora.plan"} <= found
+    assert {top_part(n) for n in found} == {"engine", "server", "lora"}
+
+
+def test_the_circle_finder_finds_a_circle_and_only_it():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_circles(graph) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_engine_reach_checker_sees_a_reach(tmp_path):
+    module = tmp_path / "server_module.py"
+    module.write_text("def f(state):\n    return state.core.runner.model, engine.scheduler.waiting, state.config\n")
+    assert [hit.split(" ")[1] for hit in reaches_into_engine(module)] == [".core.runner", ".engine.scheduler"]
