@@ -2,8 +2,8 @@
 `--waiting-served-ratio`.
 
 Where decode steps replay CUDA graphs (engine/decode_graphs.py), a step that admits a request runs eagerly, and
-on the H200 an eager step of a full batch costs the host ~15 decode steps' time (30-60 ms against 2-4 ms; the
-prefill's own compute is a small part of it). Admitting at every step that frees a seat then turns most steps
+an eager step of a full batch costs the host many graphed decode steps' time (the prefill's own compute is a small
+part of it; docs/benchmarks.md has the figures). Admitting at every step that frees a seat then turns most steps
 eager. So, while requests run, waiting ones join only when
 
 - the step runs eagerly anyway (a running request computes a prompt chunk), or

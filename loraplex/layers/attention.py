@@ -462,8 +462,8 @@ def _put(out: torch.Tensor, rows: slice | torch.Tensor, attended: torch.Tensor) 
 def default_backend(device: torch.device) -> AttentionBackend:
     """On CUDA with Triton, the Triton backend (decode reads the paged cache in place; CUDA graphs need it); the
     torch reference elsewhere, or when LORAPLEX_ATTENTION_BACKEND=torch. Outside a graph a kernel call costs more
-    host time than the torch decode (python -m benchmarks.paged_decode --op-only on the H200: 0.69x for one row of
-    1024, 1.95x at 32 rows x 4096), which CUDA graphs remove."""
+    host time than the torch decode (`python -m benchmarks.paged_decode --op-only` measures it), which CUDA graphs
+    remove."""
     from loraplex.kernels import triton_available
 
     if not triton_available(device) or torch_attention_forced():

@@ -3,7 +3,7 @@
 A full collection walks every object the collector tracks, and it runs on whichever thread allocates when the
 threshold trips: often the engine thread, mid-step. After start-up that is ~370,000 objects (the model's modules
 and parameters, torch, transformers, the server), none of which becomes cyclic garbage while the server runs:
-a full collection of them took 260 ms on a 2-core machine, a pause of every stream. Frozen after start-up, later
+walking them all is a pause of every stream. Frozen after start-up, later
 full collections walk only what came after (requests, adapters loaded since). Objects frozen are still freed by
 reference counting; only a cycle among them would never be.
 """

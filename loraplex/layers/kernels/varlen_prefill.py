@@ -5,8 +5,8 @@ new rows); another the prompts resumed over cached context (a chunk after the fi
 rows), whose keys are gathered from the cache, context first, and whose queries are their keys' last positions.
 
 The torch reference (`TorchAttentionBackend._prefill`) calls SDPA once per sequence and layer: with a hundred
-prompts starting in one step that was the largest host cost of the online benchmark (on the H200 SDPA picked
-cuDNN, ~330 us of host time a call; with a mask, for resumed prompts, 0.5-1.3 ms). Score biases (ALiBi, T5's
+prompts starting in one step that was the largest host cost of the online benchmark (SDPA's per-call host
+time, larger still with the mask resumed prompts need). Score biases (ALiBi, T5's
 relative positions) stay on the reference path.
 
 The kernel is a private ATen op, so whether it runs here is probed once per (device, dtype, head size, query heads
