@@ -84,9 +84,10 @@ def safetensors_files(path: pathlib.Path, model_id: str | None = None) -> list[p
 def load_state_dict(
     source: ModelSource | str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
     show_progress: bool = False, keep_float32: Callable[[str], bool] | None = None,
+    keep_stored: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """All tensors of a model's safetensors (sharded or not), on `device`; floating tensors cast to `dtype`
-    (those `keep_float32` names, to float32).
+    (those `keep_float32` names, to float32; those `keep_stored` names, a quantized checkpoint's own tensors, not).
 
     `show_progress` draws a progress bar over the tensors on stderr (the server's start-up).
     """
@@ -107,6 +108,8 @@ def load_state_dict(
                     raise WeightsError(f"tensor {key!r} appears in both {origin[key]} and {file.name}")
                 tensor = f.get_tensor(key)
                 target = torch.float32 if keep_float32 is not None and keep_float32(key) else dtype
+                if keep_stored is not None and keep_stored(key):
+                    target = None
                 if target is not None and tensor.is_floating_point() and tensor.dtype != target:
                     tensor = tensor.to(target)
                 state[key] = tensor
@@ -209,6 +212,12 @@ def load_into(
                 owner._buffers[leaf] = value
             else:  # a custom state_dict name we cannot map to a tensor attribute
                 raise WeightsError(f"{name}: not a parameter or buffer of {type(owner).__name__}")
+
+
+def renamed_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` under `module`'s own names (its `checkpoint_name` mapping, if it has one; see `load_into`)."""
+    rename = getattr(module, "checkpoint_name", None)
+    return _renamed(state, rename) if callable(rename) else dict(state)
 
 
 def _renamed(state: dict[str, torch.Tensor], rename: Callable[[str], str]) -> dict[str, torch.Tensor]:

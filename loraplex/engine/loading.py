@@ -12,12 +12,15 @@ import torch
 from torch import nn
 
 from loraplex.checkpoints.sources import resolve_model
-from loraplex.checkpoints.weights import ModelSource, load_into, load_state_dict, read_json
+from loraplex.checkpoints.weights import ModelSource, load_into, load_state_dict, read_json, renamed_state
 from loraplex.config import EngineConfig, ModelConfig
 import loraplex.example_models  # noqa: F401  (registers the example models' ids with resolve_model)
 from loraplex.models.hf_config import token_id, token_ids
 from loraplex.models.registry import config_from_hf, model_class
-from loraplex.quantization import check_quantize, move_unquantized, quantize_model, weight_bytes
+from loraplex.quantization import (
+    QuantizationError, check_quantize, move_unquantized, quantize_model, weight_bytes,
+)
+from loraplex.quantization.checkpoint_format import CheckpointFormat, checkpoint_format, replace_quantized_linears
 from loraplex.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,8 +53,14 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_model(config: ModelConfig, state: dict[str, torch.Tensor]) -> nn.Module:
+def build_model(
+    config: ModelConfig, state: dict[str, torch.Tensor], quantized: CheckpointFormat | None = None,
+    device: torch.device | None = None, dtype: torch.dtype | None = None,
+) -> nn.Module:
     """Our model for `config`, built on the meta device and filled from `state` (every weight used).
+
+    From a pre-quantized checkpoint (`quantized`: its format), the quantized linears are built first, on `device`
+    computing in `dtype`, from their own tensors; the strict loader then fills the rest.
 
     A config that ties the head to the embedding while the checkpoint holds a different head gets its own
     head, as transformers does (transformers 5 saves T5 v1.1 / Flan-T5 with `tie_word_embeddings: true`).
@@ -68,7 +77,12 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor]) -> nn.Modul
             like = model.get_buffer(name) if name in dict(model.named_buffers()) else model.get_parameter(name)
             weights = next(t for t in state.values() if t.is_floating_point())  # the loaded dtype and device
             state = {**state, name: torch.zeros(like.shape, dtype=weights.dtype, device=weights.device)}
-    load_into(model, state, ignore_patterns=model.unused_checkpoint_tensors)
+    ignored = model.unused_checkpoint_tensors
+    if quantized is not None:
+        state = renamed_state(model, state)
+        replace_quantized_linears(model, state, quantized, device, dtype)
+        ignored = (*ignored, *quantized.ignored)
+    load_into(model, state, ignore_patterns=ignored)
     return model.eval()
 
 
@@ -99,7 +113,10 @@ def load_model(
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
     quantize = getattr(config, "quantize", None)
-    if quantize:  # refused before any weight is read
+    published = checkpoint_format(source.hf_config)  # refused before any weight is read, as is --quantize
+    if published is not None and quantize:
+        raise QuantizationError(f"{source.model_id} is already quantized ({published.name}): drop --quantize {quantize}")
+    if quantize:
         check_quantize(quantize, device, dtype)
     log(f"loading {source.model_id} ({model_config.num_layers} layers) on {device} as {str(dtype).removeprefix('torch.')}")
     # Quantizing for a GPU: the float weights stay in host memory and each linear reaches the GPU quantized,
@@ -108,8 +125,11 @@ def load_model(
     state = load_state_dict(
         source, device=str(staging), dtype=dtype, show_progress=show_progress,
         keep_float32=float32_names(model_config, dtype),
+        keep_stored=published.keeps_stored_dtype if published is not None else None,
     )
-    model = build_model(model_config, state)
+    model = build_model(model_config, state, published, device, dtype)
+    if published is not None:
+        log(f"read {published.name} weights; they take {weight_bytes(model) / 2**30:.2f} GiB")
     if quantize:
         del state  # the float weights go as their linears are replaced
         replaced = quantize_model(model, quantize, device, dtype)

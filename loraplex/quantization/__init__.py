@@ -1,5 +1,8 @@
-"""Weight quantization: a load-time transform of linear layers, one module per mode (`bitsandbytes`: LoRAX's
-`--quantize bitsandbytes | bitsandbytes-nf4 | bitsandbytes-fp4`).
+"""Weight quantization, two ways in:
+
+- `--quantize MODE`, a load-time transform of a float checkpoint's linear layers, one module per mode
+  (`bitsandbytes`: LoRAX's `--quantize bitsandbytes | bitsandbytes-nf4 | bitsandbytes-fp4`; `fp8`);
+- a pre-quantized checkpoint (GPTQ, AWQ, compressed-tensors, FP8), read as published: `checkpoint_format`.
 
 After our model is built and its weights loaded, `quantize_model` swaps its `nn.Linear`s, in place, for the
 mode's own layers.
@@ -25,18 +28,17 @@ import warnings
 from typing import TYPE_CHECKING, Callable
 
 from loraplex.quantization import bitsandbytes as bitsandbytes_mode
+from loraplex.quantization.errors import QuantizationError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads QUANTIZE_CHOICES without paying for it
     import torch
     from torch import nn
 
-QUANTIZE_CHOICES = bitsandbytes_mode.MODES
+BITSANDBYTES_MODES = bitsandbytes_mode.MODES
+FP8_MODE = "fp8"
+QUANTIZE_CHOICES = (*bitsandbytes_mode.MODES, FP8_MODE)
 # transformers' default for BitsAndBytesConfig: the output embedding it never quantizes.
 ALWAYS_KEPT = ("lm_head",)
-
-
-class QuantizationError(ValueError):
-    """A --quantize setting that cannot be served here; the message says why (one line, for the user)."""
 
 
 def check_quantize(mode: str, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
@@ -47,6 +49,11 @@ def check_quantize(mode: str, device: torch.device | str, dtype: torch.dtype | N
     dtype = torch.float32 if dtype is None else dtype
     if mode not in QUANTIZE_CHOICES:
         raise QuantizationError(f"unknown --quantize {mode!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
+    if mode == FP8_MODE:
+        from loraplex.quantization import fp8
+
+        fp8.check(torch.device(device), dtype)  # raises QuantizationError where FP8 cannot run
+        return
     bnb = _library(mode)
     failure = _probe(mode, str(torch.device(device)), dtype)
     if failure is not None:
@@ -118,7 +125,14 @@ def quantize_model(
 
     if mode not in QUANTIZE_CHOICES:
         raise QuantizationError(f"unknown --quantize {mode!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
-    bnb = _library(mode)
+    if mode == FP8_MODE:
+        from loraplex.quantization import fp8
+
+        quantized_linear = lambda linear: fp8.quantize_linear(linear, device, compute_dtype)  # noqa: E731
+    else:
+        bnb = _library(mode)
+        quantized_linear = lambda linear: bitsandbytes_mode.quantized_linear(  # noqa: E731
+            bnb, linear, mode, device, compute_dtype)
     if mode == "bitsandbytes":
         bitsandbytes_mode.quiet_int8_cast_warning()
     device = torch.device(device)
@@ -136,8 +150,7 @@ def quantize_model(
         for name in names:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            quantized = bitsandbytes_mode.quantized_linear(bnb, getattr(parent, child), mode, device, compute_dtype)
-            setattr(parent, child, quantized)
+            setattr(parent, child, quantized_linear(getattr(parent, child)))
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the float weights are gone: let free-memory figures (KV sizing) see it
     return len(names)
@@ -167,14 +180,23 @@ def move_unquantized(model: nn.Module, device: torch.device | str) -> None:
                 table[key] = moved[id(tensor)]
 
 
+def _own_quantized(module: nn.Module) -> bool:
+    """Whether `module` is one of our own quantized linears (FP8, W4A16), not a bitsandbytes one."""
+    from loraplex.quantization.layer import QuantizedLinear
+
+    return isinstance(module, QuantizedLinear)
+
+
 def is_quantized(module: nn.Module) -> bool:
-    """Whether `module` is a quantized linear (of any mode)."""
-    return bitsandbytes_mode.is_bitsandbytes_linear(module)
+    """Whether `module` is a quantized linear (of any mode or checkpoint format)."""
+    return _own_quantized(module) or bitsandbytes_mode.is_bitsandbytes_linear(module)
 
 
 def dequantized_weight(linear: nn.Linear) -> torch.Tensor:
     """A linear's weight [out_features, in_features] as floats: its own weight, or a quantized layer's weight
     dequantized (what its matmul multiplies by, up to LLM.int8's outlier columns)."""
+    if _own_quantized(linear):
+        return linear.dequantized()
     if not is_quantized(linear):
         return linear.weight
     return bitsandbytes_mode.dequantized(linear)
@@ -195,7 +217,10 @@ def weight_bytes(model: nn.Module) -> int:
     for tensor in [*model.parameters(), *model.buffers()]:
         count(tensor)
     for module in model.modules():
-        if is_quantized(module):
+        if _own_quantized(module):
+            for tensor in module.quantized_tensors():
+                count(tensor)
+        elif is_quantized(module):
             for tensor in bitsandbytes_mode.statistics(module):
                 count(tensor)
     return total

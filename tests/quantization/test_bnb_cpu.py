@@ -32,7 +32,7 @@ from loraplex.lora.layers import LoraLinear
 from loraplex.lora.table import AdapterTable
 from loraplex.params import SamplingParams
 from loraplex.quantization import (
-    QUANTIZE_CHOICES,
+    BITSANDBYTES_MODES,
     QuantizationError,
     check_quantize,
     default_skip,
@@ -53,7 +53,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
 
-MODES = list(QUANTIZE_CHOICES)
+MODES = list(BITSANDBYTES_MODES)
 PROMPT = [1, 17, 203, 45, 9, 88, 130, 7, 251, 64, 3, 99, 180, 42, 5, 77, 211, 8, 150, 33, 120]  # crosses a KV block
 NEW = 8
 PARAMS = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
@@ -460,7 +460,7 @@ def test_cli_refusal_is_one_line(saved, monkeypatch, capsys):
     base = ["generate", "hello", "--model-id", str(path)]
     code, lines = _cli(monkeypatch, capsys, [*base, "--device", "cpu"], env={"QUANTIZE": "bitsandbytes-int4"})
     assert code == 2 and lines == ["loraplex: error: unknown --quantize 'bitsandbytes-int4'; choose one of "
-                                   "bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4"]
+                                   "bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4, fp8"]
     if not torch.cuda.is_available():  # a device this machine lacks: refused before any weight is read
         code, lines = _cli(monkeypatch, capsys, [*base, "--device", "cuda", "--quantize", "bitsandbytes-nf4"])
         assert code == 2 and lines == ["loraplex: error: --device cuda: no CUDA device is available on this machine "

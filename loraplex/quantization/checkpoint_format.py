@@ -1,0 +1,84 @@
+"""Pre-quantized checkpoints: a model directory whose config.json has a `quantization_config` (GPTQ, AWQ,
+compressed-tensors, FP8) is loaded as it is published, each quantized linear built from its own tensors.
+
+A format module (`fp8`, `w4a16`) gives `detect(quantization_config) -> CheckpointFormat | None`; `checkpoint_format`
+asks each in turn. The loader then reads the checkpoint with the format's tensors kept in their stored dtypes
+(`keeps_stored_dtype`), and `replace_quantized_linears` swaps each linear whose marker tensor is in the checkpoint
+for the format's layer, built from that linear's tensors (taken out of the state), before the strict loader fills
+the rest: every other tensor (embeddings, norms, biases, an unquantized head) loads as usual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from loraplex.quantization.errors import QuantizationError
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    name: str  # for the start-up log and errors: "gptq 4-bit, groups of 128"
+    marker: str  # the tensor suffix that marks a quantized linear in the checkpoint ("qweight", "weight_packed")
+    suffixes: tuple[str, ...]  # every tensor suffix a quantized linear owns, the marker included ("bias" never)
+    # (tensors by suffix, as stored, on the device; the linear it replaces, on meta; device; compute dtype)
+    #   -> the quantized layer (a QuantizedLinear: its `bias`, if any, is filled by the strict loader after)
+    build: Callable[[dict[str, torch.Tensor], nn.Linear, torch.device, torch.dtype], nn.Module]
+    # Checkpoint tensors the model does not use (regexes, re.search), e.g. KV-cache scales it cannot apply.
+    ignored: tuple[str, ...] = ()
+    # Options of the format the loader passes on (e.g. a KV-cache scheme), free-form.
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def keeps_stored_dtype(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to a quantized linear (it is not cast to the model dtype)."""
+        return name.rpartition(".")[2] in self.suffixes
+
+
+def _detectors() -> list[Callable[[dict], CheckpointFormat | None]]:
+    from loraplex.quantization import fp8, w4a16_formats
+
+    return [fp8.detect, w4a16_formats.detect]
+
+
+def checkpoint_format(hf_config: dict) -> CheckpointFormat | None:
+    """The quantized format config.json declares; None for a float checkpoint. A `quantization_config` no format
+    reads is a QuantizationError naming its method."""
+    qconfig = hf_config.get("quantization_config")
+    if qconfig is None:
+        return None
+    if not isinstance(qconfig, dict):
+        raise QuantizationError("config.json: quantization_config must be an object")
+    for detect in _detectors():
+        found = detect(qconfig)
+        if found is not None:
+            return found
+    method = qconfig.get("quant_method", "?")
+    raise QuantizationError(
+        f"config.json: quantization_config {method!r} is not served; loraplex reads gptq, awq, fp8 and "
+        "compressed-tensors (float-quantized FP8, pack-quantized W4A16) checkpoints"
+    )
+
+
+def replace_quantized_linears(
+    model: nn.Module, state: dict[str, torch.Tensor], fmt: CheckpointFormat, device: torch.device, dtype: torch.dtype
+) -> int:
+    """Swap each nn.Linear of `model` (built on meta) whose `<name>.<marker>` is in `state` for `fmt`'s layer,
+    taking its tensors out of `state` (which must already use the model's names); returns how many."""
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or f"{name}.{fmt.marker}" not in state:
+            continue
+        tensors = {s: state.pop(f"{name}.{s}") for s in fmt.suffixes if f"{name}.{s}" in state}
+        try:
+            layer = fmt.build(tensors, module, device, dtype)
+        except (KeyError, ValueError, RuntimeError) as exc:
+            raise QuantizationError(f"{name}: cannot load its {fmt.name} weights: {exc}") from exc
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        replaced += 1
+    if replaced == 0:
+        raise QuantizationError(f"config.json declares {fmt.name}, but no linear has a {fmt.marker!r} tensor")
+    return replaced
