@@ -75,9 +75,18 @@ def apply_rotary(
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether k's heads follow q's in memory with the same strides, as in one [T, H + Hkv, D] tensor. (A single
-    row's stride carries no meaning, and views give q's and k's different ones.)"""
-    rows = q.shape[0]
-    return (rows == k.shape[0] and (rows == 1 or q.stride(0) == k.stride(0)) and q.shape[2] == k.shape[2]
-            and q.stride()[1:] == k.stride()[1:] == (q.shape[2], 1)
-            and k.data_ptr() == q.data_ptr() + q.shape[1] * q.shape[2] * q.element_size())
+    """Whether q and k are views of one [T, H + Hkv, D] tensor, q's heads then k's (one fused projection's output).
+    Adjacent addresses are not enough: two allocations can happen to touch (a quantized layer's separate q and k
+    outputs), and a view over both would write across an allocation we do not own. So the storage must be one and
+    the combined view must lie inside it. (A single row's stride carries no meaning, and views give q's and k's
+    different ones.)"""
+    rows, heads, dim = q.shape
+    if not (rows == k.shape[0] and (rows == 1 or q.stride(0) == k.stride(0)) and dim == k.shape[2]
+            and q.stride()[1:] == k.stride()[1:] == (dim, 1)
+            and k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()):
+        return False
+    storage = q.untyped_storage()
+    if storage.data_ptr() != k.untyped_storage().data_ptr():
+        return False
+    last = q.storage_offset() + (rows - 1) * q.stride(0) + (heads + k.shape[1]) * dim  # one past the view's end
+    return last * q.element_size() <= storage.nbytes()
