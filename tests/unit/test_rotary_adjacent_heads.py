@@ -72,14 +72,15 @@ def test_the_fused_path_rotates_touching_allocations_one_by_one(monkeypatch):
     monkeypatch.setattr(rotary, "fused_kernels_wanted", lambda device: True)
     # The kernels' module needs Triton: a stand-in module in its place.
     monkeypatch.setitem(sys.modules, "loraplex.layers.kernels.elementwise", types.SimpleNamespace(rotary=stand_in))
-    cos, sin = torch.rand(3, 1, 8), torch.rand(3, 1, 8)
-    q, k = separate_but_touching()
-    q.copy_(torch.randn(q.shape)), k.copy_(torch.randn(k.shape))
-    reference = (stand_in(q, cos, sin), stand_in(k, cos, sin))
-    calls.clear()
-    out_q, out_k = rotary.apply_rotary(q, k, (cos, sin))
-    assert calls == [(3, 4, 8), (3, 2, 8)]
-    assert torch.equal(out_q, reference[0]) and torch.equal(out_k, reference[1])
+    for rows in (1, 3):  # one row: the case where the row strides cannot tell the allocations apart
+        cos, sin = torch.rand(rows, 1, 8), torch.rand(rows, 1, 8)
+        q, k = separate_but_touching(rows)
+        q.copy_(torch.randn(q.shape)), k.copy_(torch.randn(k.shape))
+        reference = (stand_in(q, cos, sin), stand_in(k, cos, sin))
+        calls.clear()
+        out_q, out_k = rotary.apply_rotary(q, k, (cos, sin))
+        assert calls == [(rows, 4, 8), (rows, 2, 8)]
+        assert torch.equal(out_q, reference[0]) and torch.equal(out_k, reference[1])
     fused_q, fused_k, _ = q_and_k(3)
     calls.clear()
     rotary.apply_rotary(fused_q, fused_k, (cos, sin))
