@@ -151,8 +151,9 @@ def sibling_launch(outs: Sequence[torch.Tensor], x: torch.Tensor, tables: Pointe
     first = min(addresses)
     size = x.element_size()
     offsets = tuple((a - first) // size for a in addresses)
-    assert all(off + o.shape[1] <= stride for off, o in zip(offsets, outs)), \
-        "the outputs must be column slices of one tensor"
+    storage = outs[0].untyped_storage().data_ptr()  # touching allocations are not one tensor
+    assert all(off + o.shape[1] <= stride and o.untyped_storage().data_ptr() == storage
+               for off, o in zip(offsets, outs)), "the outputs must be column slices of one tensor"
     return _plan(addresses.index(first), offsets, tuple(tables.index[name] for name in names),
                  tuple(o.shape[1] for o in outs), in_features, max_rank, units, block_n, block_k, target_programs)
 
@@ -176,8 +177,8 @@ def fits(launch: SiblingLaunch, outs: Sequence[torch.Tensor]) -> bool:
     if len(outs) != launch.count:
         return False
     first = outs[launch.base]
-    size, stride = first.element_size(), first.stride(0)
-    return all(o.dtype == first.dtype and o.stride() == first.stride() and o.shape[0] == first.shape[0]
+    size, stride, storage = first.element_size(), first.stride(0), first.untyped_storage().data_ptr()
+    return all(o.dtype == first.dtype and o.untyped_storage().data_ptr() == storage and o.stride() == first.stride() and o.shape[0] == first.shape[0]
                and o.shape[1] == width and o.data_ptr() - first.data_ptr() == offset * size
                and offset + width <= stride for o, offset, width in zip(outs, launch.offsets, launch.widths))
 
