@@ -22,12 +22,16 @@ the host, or the token the previous replay picked for one of its rows (each repl
 device). So a step can be launched before the host has read the last step's tokens (the engine's overlapped steps,
 engine/overlap.py).
 
-Graphs are captured lazily, at a bucket's first step, sharing one memory pool.
+Graphs are captured lazily, at a bucket's first step, sharing one memory pool. A capture that fails (something in
+the model reads the device from the host) is undone, so that it leaves neither the stream capturing nor the
+allocator recording into the pool; that bucket's steps then run eagerly (`can_replay`), logged once, and other
+buckets are still captured, into a fresh pool.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 from typing import Sequence
 
 import torch
@@ -46,6 +50,11 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 # (_IDS * width + i) or a picked token (_PICKED * width + row of the last replay).
 _IDS, _POSITIONS, _SLOTS, _LENS, _ADAPTERS, _INDEX, _PICKED = range(7)
 _STAGED = _INDEX + 1
+log = logging.getLogger(__name__)
+
+
+class CaptureFailed(RuntimeError):
+    """A decode graph could not be captured: the step runs eagerly (and so will that bucket's later steps)."""
 
 
 def graphable_family(inputs: ModelInputs) -> bool:
@@ -75,6 +84,7 @@ class DecodeGraphs:
         self._pool = None
         # (bucket, LoRA layers) -> the graph, its logits and its greedy picks (logits.greedy_picks)
         self._graphs: dict[tuple[int, frozenset[str] | None], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._failed: set[tuple[int, frozenset[str] | None]] = set()  # keys whose capture failed: eager
 
     @property
     def max_batch(self) -> int:
@@ -84,6 +94,16 @@ class DecodeGraphs:
     def num_captured(self) -> int:
         return len(self._graphs)
 
+    def can_replay(self, rows: int, adapter_slots: Sequence[int | None]) -> bool:
+        """Whether a decode step of `rows` rows with these adapter slots replays (or captures) a graph: not when
+        its bucket's capture failed before."""
+        return rows <= self.max_batch and self._key(rows, adapter_slots) not in self._failed
+
+    def _key(self, rows: int, adapter_slots: Sequence[int | None]) -> tuple[int, frozenset[str] | None]:
+        bucket = self.sizes[bisect.bisect_left(self.sizes, rows)]
+        with_adapters = self.lora is not None and any(s is not None and s >= 0 for s in adapter_slots)
+        return bucket, self.lora.pointers.targeted if with_adapters else None
+
     def run(self, input_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
             adapter_slots: Sequence[int | None], picked_rows: Sequence[int] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,18 +112,15 @@ class DecodeGraphs:
         argmax, its logprob, whether the row is finite); `adapter_slots`: each row's LoRA slot or None.
         `picked_rows[i]` >= 0: row i's input is the token the last replay picked for that row, not input_ids[i]."""
         rows = len(input_ids)
-        bucket = self.sizes[bisect.bisect_left(self.sizes, rows)]
+        key = bucket, layers = self._key(rows, adapter_slots)
+        assert key not in self._failed, "a step whose bucket failed to capture runs eagerly (can_replay)"
         adapters = [-1 if s is None else s for s in adapter_slots]
-        layers = None
-        if self.lora is not None and any(s >= 0 for s in adapters):
-            layers = self.lora.pointers.targeted
         width = self._static.shape[1]
         index = [_IDS * width + i if picked_rows is None or picked_rows[i] < 0 else _PICKED * width + picked_rows[i]
                  for i in range(rows)]
         self._fill(bucket, input_ids, positions, block_tables, adapters, index)
-        key = (bucket, layers)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(bucket, layers)
+            self._graphs[key] = self._capture_or_give_up(key)
         graph, logits, picks = self._graphs[key]
         graph.replay()
         return logits[:rows], picks[:, :rows]
@@ -140,6 +157,16 @@ class DecodeGraphs:
         static[_PICKED, :bucket] = picks[0]  # the next step's rows may read them
         return logits, picks
 
+    def _capture_or_give_up(self, key: tuple[int, frozenset[str] | None]):
+        try:
+            return self._capture(*key)
+        except Exception as exc:  # noqa: BLE001 - whatever a layer does under capture; the step then runs eagerly
+            if not self._failed:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                log.warning("a decode graph (batch %d) could not be captured; such steps run eagerly: %s", key[0], first)
+            self._failed.add(key)
+            raise CaptureFailed(f"batch {key[0]}") from exc
+
     def _capture(self, bucket: int, layers: frozenset[str] | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         # The capture runs on the padding rows' inputs (scratch block only): the step's own inputs are written
         # again after it, and nothing of the capture's run lands in a request's blocks.
@@ -158,7 +185,31 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), forward_context(ctx):
-            logits, picks = self._forward(bucket)
-        self._static[:, :bucket], self._tables[:bucket] = filled, tables
+        capture = torch.cuda.graph(graph, pool=self._pool)
+        try:
+            with capture, forward_context(ctx):
+                logits, picks = self._forward(bucket)
+        except BaseException:
+            self._undo_capture(graph, capture)
+            raise
+        finally:
+            self._static[:, :bucket], self._tables[:bucket] = filled, tables
         return graph, logits, picks
+
+    def _undo_capture(self, graph: torch.cuda.CUDAGraph, capture: torch.cuda.graph) -> None:
+        """After a capture raised: end the stream's capture and the allocator's recording into the pool (a failed
+        `capture_end` skips the latter, and every later capture would then fail), go back to the stream the step
+        was on (a failed `capture_end` skips that too), and give later captures a pool of their own (the graphs
+        captured so far keep theirs)."""
+        if torch.cuda.is_current_stream_capturing():
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                pass  # an invalidated capture ends with an error: ended all the same
+        try:
+            torch._C._cuda_endAllocateToPool(self._static.device.index, self._pool)
+        except RuntimeError:
+            pass  # not recording any more
+        capture.stream_ctx.__exit__(None, None, None)  # idempotent: it sets the stream it found back
+        torch.cuda.synchronize()
+        self._pool = None

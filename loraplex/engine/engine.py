@@ -37,6 +37,7 @@ from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.table import AdapterTable
 from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.params import FinishReason, GrammarSpec, SamplingParams
+from loraplex.quantization import graph_blocker
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +77,12 @@ class Engine:
         mc = loaded.config
         encdec = mc.encoder_decoder
         forced = ForcedTokens(encdec.forced_bos_token_id, encdec.forced_eos_token_ids) if encdec else None
+        graphed = config.cuda_graphs and _graphs_allowed(loaded)
         self.runner = ModelRunner(
             loaded.model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, config.block_size,
             loaded.device, loaded.dtype, lora=self.lora, forced_tokens=forced, num_state_blocks=num_state_blocks,
             graphs=GraphSettings(min(config.max_num_seqs, GRAPH_BATCH_SIZES[-1]), self.max_total_tokens)
-            if config.cuda_graphs else None,
+            if graphed else None,
         )
         if self.runner.decode_graphs is not None:  # a step that admits runs eagerly: joins wait a little (joins.py)
             self.scheduler.joins = WaitingJoins(config.max_waiting_tokens, config.waiting_served_ratio)
@@ -385,3 +387,12 @@ class Engine:
                 if out.finished:
                     finals[out.request_id] = out
         return [finals[r.request_id] for r in requests]
+
+
+def _graphs_allowed(loaded: LoadedModel) -> bool:
+    """Whether the model's decode steps can be captured; if not (a quantization that reads the device on the
+    host), the engine runs them eagerly and says so once."""
+    blocker = graph_blocker(loaded.model)
+    if blocker is not None and loaded.device.type == "cuda":
+        log.warning("decode steps run without CUDA graphs: %s", blocker)
+    return blocker is None

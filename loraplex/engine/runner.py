@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from loraplex.engine.batch import BatchBuilder, all_decoding, by_position, row_order
-from loraplex.engine.decode_graphs import DecodeGraphs, graphable_family
+from loraplex.engine.decode_graphs import CaptureFailed, DecodeGraphs, graphable_family
 from loraplex.engine.grammar_masks import GrammarMasks, PendingMasks
 from loraplex.engine.graph_inputs import HostPicks
 from loraplex.engine.logits import ForcedTokens, LogitsPipeline, StepResult, picked_results, plain_argmax
@@ -147,16 +147,28 @@ class ModelRunner:
         assert all(r.num_pending == 0 or row >= 0 for r, row in zip(requests, from_after)), (
             "a placeholder token of a step that is not the one launched just before")
         launched = LaunchedStep({r: row for row, r in enumerate(requests)}, order)
-        if self.decode_graphs is None:  # eager (CPU): the tokens are known at once
-            tokens = {row: _token_of(after.results[source]) for row, source in enumerate(from_after) if source >= 0}
-            launched.results = self._execute(ordered, tokens)
-            return launched
-        positions = [r.num_computed_tokens for r in requests]
-        _, picks = self.decode_graphs.run(
-            [0 if source >= 0 else r.token_slice(p, p + 1)[0] for r, p, source in zip(requests, positions, from_after)],
-            positions, [r.block_ids for r in requests], [r.adapter_slot for r in requests], from_after,
-        )
-        launched.picks, launched.ready = self._host_picks.copy(picks)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_replay(len(requests), [r.adapter_slot for r in requests]):
+            positions = [r.num_computed_tokens for r in requests]
+            try:
+                _, picks = graphs.run(
+                    [0 if source >= 0 else r.token_slice(p, p + 1)[0]
+                     for r, p, source in zip(requests, positions, from_after)],
+                    positions, [r.block_ids for r in requests], [r.adapter_slot for r in requests], from_after,
+                )
+            except CaptureFailed:
+                pass  # this step (and its bucket's next ones) runs eagerly, below
+            else:
+                launched.picks, launched.ready = self._host_picks.copy(picks)
+                return launched
+        # Eager (the CPU; a bucket whose capture just failed): the tokens are known at once.
+        before = None
+        if after is not None:  # its results by row: known at its launch if eager, else its picks once read
+            if after.results is None:
+                after.ready.synchronize()
+            before = after.results if after.results is not None else picked_results(after.picks.tolist())
+        tokens = {row: _token_of(before[source]) for row, source in enumerate(from_after) if source >= 0}
+        launched.results = self._execute(ordered, tokens)
         return launched
 
     def land(self, launched: LaunchedStep) -> list[StepResult]:
@@ -172,7 +184,9 @@ class ModelRunner:
     def _execute(self, scheduled: list[ScheduledRequest], input_tokens: dict[int, int] | None = None) -> list[StepResult]:
         """`input_tokens`: the input token of decoding sequences whose last token is a placeholder (overlap.py)."""
         if self._graphable(scheduled):
-            return self._execute_graphed(scheduled)
+            results = self._execute_graphed(scheduled)
+            if results is not None:
+                return results
         batch = self.batches.build(scheduled, input_tokens)
         slots = [item.request.adapter_slot for item in scheduled]
         starts = batch.metadata.query_start_loc
@@ -200,16 +214,23 @@ class ModelRunner:
     def _graphable(self, scheduled: list[ScheduledRequest]) -> bool:
         """Whether this step runs as a CUDA graph: every request decodes one token (no prefill, no drafts)."""
         graphs = self.decode_graphs
-        return graphs is not None and len(scheduled) <= graphs.max_batch and all_decoding(scheduled)
+        return (graphs is not None and all_decoding(scheduled)
+                and graphs.can_replay(len(scheduled), [item.request.adapter_slot for item in scheduled]))
 
-    def _execute_graphed(self, scheduled: list[ScheduledRequest]) -> list[StepResult]:
+    def _execute_graphed(self, scheduled: list[ScheduledRequest]) -> list[StepResult] | None:
+        """The step as a graph replay; None when its graph could not be captured (it then runs eagerly)."""
         requests = [item.request for item in scheduled]
         masks = self._start_masks(requests)
         positions = [r.num_computed_tokens for r in requests]
-        logits, picks = self.decode_graphs.run(
-            [r.token_slice(p, p + 1)[0] for r, p in zip(requests, positions)], positions,
-            [r.block_ids for r in requests], [r.adapter_slot for r in requests],
-        )
+        try:
+            logits, picks = self.decode_graphs.run(
+                [r.token_slice(p, p + 1)[0] for r, p in zip(requests, positions)], positions,
+                [r.block_ids for r in requests], [r.adapter_slot for r in requests],
+            )
+        except CaptureFailed:
+            if masks is not None:
+                masks.future.result()  # the eager step fills the same matchers' masks again
+            return None
         return self.logits.sample_picked(scheduled, logits, picks, masks)
 
     def _start_masks(self, requests: list) -> PendingMasks | None:

@@ -180,6 +180,15 @@ def move_unquantized(model: nn.Module, device: torch.device | str) -> None:
                 table[key] = moved[id(tensor)]
 
 
+def graph_blocker(model: nn.Module) -> str | None:
+    """Why decode steps of `model` cannot be captured in CUDA graphs, or None: LLM.int8 picks its outlier
+    columns on the host at every matmul (a device-to-host read, which a capture cannot hold)."""
+    for module in model.modules():
+        if is_quantized(module) and bitsandbytes_mode.is_int8(module):
+            return "--quantize bitsandbytes (LLM.int8) reads its outlier columns on the host at every matmul"
+    return None
+
+
 def _own_quantized(module: nn.Module) -> bool:
     """Whether `module` is one of our own quantized linears (FP8, W4A16), not a bitsandbytes one."""
     from loraplex.quantization.layer import QuantizedLinear

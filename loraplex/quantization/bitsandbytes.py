@@ -89,6 +89,11 @@ def is_bitsandbytes_linear(module: nn.Module) -> bool:
     return type(module).__module__.startswith("bitsandbytes.") and isinstance(module, nn.Linear)
 
 
+def is_int8(module: nn.Module) -> bool:
+    """Whether a bitsandbytes linear is LLM.int8 (its weight carries row scales) rather than 4-bit."""
+    return hasattr(module.weight, "SCB")
+
+
 def dequantized(linear: nn.Linear) -> torch.Tensor:
     """A bitsandbytes layer's weight [out_features, in_features], dequantized (what its matmul multiplies by, up
     to LLM.int8's outlier columns)."""
