@@ -38,7 +38,9 @@ class RequestRecord:
     queue_seconds: float = 0.0  # the longest of its engine requests'
     inference_seconds: float = 0.0
     total_seconds: float = 0.0
-    complete: bool = False  # False: the response was cut (client gone) or never sent
+    complete: bool = False  # False: the response was cut (client gone), never sent, or ended by an error event
+    # A failure after the response started (a stream's error event): its status stays the 200 that went out.
+    error: str | None = None
 
     def started_run(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens += num_prompt_tokens
@@ -56,8 +58,12 @@ class RequestRecord:
             "loraplex.request_id": self.request_id, "loraplex.adapter": self.adapter or "",
             "loraplex.prompt_tokens": self.prompt_tokens, "loraplex.generated_tokens": self.generated_tokens,
             "loraplex.queue_seconds": self.queue_seconds, "loraplex.inference_seconds": self.inference_seconds,
-            "loraplex.complete": self.complete,
+            "loraplex.complete": self.complete, "loraplex.error": self.error or "",
         }
+
+    @property
+    def failed(self) -> bool:
+        return self.status >= 500 or self.error is not None
 
     def fields(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -69,6 +75,15 @@ _current: ContextVar[RequestRecord | None] = ContextVar("loraplex_request", defa
 def current() -> RequestRecord | None:
     """The record of the HTTP request being served (None outside one: the engine's own tests, /health's probe)."""
     return _current.get()
+
+
+def note_failure(message: str) -> None:
+    """The engine failed the request after its response may have started (a stream then ends with an error
+    event): the log line says so, at WARNING, with complete=false, whatever status went out."""
+    record = _current.get()
+    if record is not None:
+        first = (message.strip().splitlines() or ["generation failed"])[0]
+        record.error = first if len(first) <= 200 else first[:197] + "..."
 
 
 def note_adapter(adapter_id: str | None, merged_ids: Sequence[str] = ()) -> None:
@@ -96,7 +111,7 @@ class RequestLog:
                 record.status = message["status"]
                 message["headers"] = [*message.get("headers", ()), (b"x-request-id", record.request_id.encode())]
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                record.complete = True
+                record.complete = record.error is None
             await send(message)
 
         try:
@@ -107,9 +122,8 @@ class RequestLog:
             record.route = getattr(route, "path", record.route)
             record.total_seconds = time.perf_counter() - started
             fields = record.fields()
-            log.log(logging.WARNING if record.status >= 500 else logging.INFO, key_values(fields),
-                    extra={"fields": fields})
-            tracing.record_span(f"{record.method} {record.route}", record.span_attributes(), record.status >= 500,
+            log.log(logging.WARNING if record.failed else logging.INFO, key_values(fields), extra={"fields": fields})
+            tracing.record_span(f"{record.method} {record.route}", record.span_attributes(), record.failed,
                                 started_ns, time.time_ns(), scope.get("headers", ()))
 
 

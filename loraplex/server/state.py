@@ -26,7 +26,7 @@ from loraplex.lora.store import AdapterStore, MergeSpec
 from loraplex.params import SamplingParams, TokenInfo
 from loraplex.server.admission import Admission, Seat
 from loraplex.server.metrics import BASE_ADAPTER, Metrics
-from loraplex.server.request_log import note_adapter
+from loraplex.server.request_log import note_adapter, note_failure
 
 
 @dataclass
@@ -120,6 +120,7 @@ class ServerState:
                 yield out
         except RuntimeError as exc:  # counted here: mid-stream failures never reach an error handler
             self.metrics.on_failure("generation")
+            note_failure(str(exc))
             raise GenerationFailed(str(exc)) from exc
         finally:
             await stream.aclose()

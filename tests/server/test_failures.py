@@ -48,12 +48,17 @@ async def stream_events(app, body):
             return [json.loads(line[5:]) async for line in response.aiter_lines() if line.startswith("data:")]
 
 
-def test_failure_mid_stream_arrives_as_an_error_event(app_and_engine):
+def test_failure_mid_stream_arrives_as_an_error_event(app_and_engine, caplog):
     app, engine = app_and_engine
     engine.runner.execute = FailOnce(engine.runner.execute, nth=3)  # prefill, one decode, then the failure
+    caplog.set_level("INFO", logger="loraplex.requests")
     events = run(stream_events(app, {"inputs": "Hello", "parameters": {"max_new_tokens": 10, "ignore_eos_token": True}}))
     assert "token" in events[0] and events[-1]["error_type"] == "generation"
     assert "injected device failure" in events[-1]["error"]
+    # The request log tells the failure: the 200 that went out, but not complete, the error, at WARNING.
+    (line,) = [r for r in caplog.records if r.name == "loraplex.requests"]
+    assert line.levelname == "WARNING" and line.fields["status"] == 200 and line.fields["complete"] is False
+    assert "injected device failure" in line.fields["error"]
     assert engine.scheduler.allocator.num_used == 0
     ok = run(post(app, "/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 3}}))
     assert ok.status_code == 200

@@ -21,7 +21,7 @@ from loraplex.server.request_log import key_values
 
 ADAPTERS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "adapters"
 FIELDS = ("request_id", "method", "route", "adapter", "status", "prompt_tokens", "generated_tokens",
-          "queue_seconds", "inference_seconds", "total_seconds", "complete")
+          "queue_seconds", "inference_seconds", "total_seconds", "complete", "error")
 
 
 @pytest.fixture
