@@ -1,24 +1,29 @@
-"""Weight memory and decode speed of --quantize, through loraplex's Engine: `python -m benchmarks.quantization`.
+"""Quantized serving on the Llama-3.1-8B shape, through loraplex's Engine: `python -m benchmarks.quantization`.
 
-A random-weight model of Llama-3.1-8B's shape (vocabulary cut to 49152; hidden 4096, 32 layers, 32 heads, 8 KV
-heads, intermediate 14336) is built once per setting, in the base dtype (bfloat16 on CUDA) and with each
-bitsandbytes mode, and runs the same greedy workload (32 requests x 128 prompt / 64 new tokens, EOS ignored):
+A random-weight model of Llama-3.1-8B's shape (vocabulary cut to 49152 unless --vocab; hidden 4096, 32 layers,
+32 heads, 8 KV heads, intermediate 14336) is built once per setting and runs greedy workloads (128 prompt / 64 new
+tokens a request, EOS ignored) of R requests over A random rank-16 adapters (`--workloads 1x0,32x0,64x0,64x8,64x64`),
+CUDA graphs on as served:
 
-    python -m benchmarks.quantization                                   # CUDA, the 8B shape
-    python -m benchmarks.quantization --layers 8                        # fewer layers (faster, less memory)
+    bf16     the float model (bfloat16 on CUDA)              int8     --quantize bitsandbytes (LLM.int8)
+    nf4      --quantize bitsandbytes-nf4                     fp8      --quantize fp8 (e4m3 weights, per channel)
+    fp8-kv8  --quantize fp8 --kv-cache-dtype fp8             w4a16    4-bit weights in groups of 128 (round to
+                                                                      nearest), the layer GPTQ/AWQ checkpoints load into
+
+    python -m benchmarks.quantization                                   # CUDA, the 8B shape, every setting
+    python -m benchmarks.quantization --settings bf16,fp8 --layers 8   # fewer (faster, less memory)
     OMP_NUM_THREADS=1 python -m benchmarks.quantization --device cpu --layers 2 --hidden 256 --heads 4 \\
-        --kv-heads 2 --intermediate 512 --vocab 1024 --requests 4 --prompt-len 32 --new-tokens 8   # CPU smoke run
-    (one thread: on a shared CPU, intra-op threads spin-waiting for a busy core make tiny timings erratic)
+        --kv-heads 2 --intermediate 512 --vocab 1024 --workloads 1x0,4x2 --new-tokens 8 --settings bf16,fp8  # CPU smoke
 
-Printed as a markdown table, per setting: the weights' bytes (parameters, buffers and quantization statistics,
-`loraplex.quantization.weight_bytes`), on CUDA also the memory allocated once the model is ready and the peak
-while building and quantizing it (`torch.cuda.max_memory_allocated`), then prefill time (all prompts, one
-engine step when they fit `--max-batch-prefill-tokens`), decode tokens/s (every token after each request's
-first, over the decode steps' time) and overall output tokens/s. With `--adapters N` every request runs on one
-of N random rank-16 adapters (LoRA on top of the quantized linears).
+Printed per setting: the weights' bytes (`loraplex.quantization.weight_bytes`: parameters, buffers, quantization
+statistics), the KV cache capacity in tokens the engine would size with its defaults once the model is loaded, and
+per workload the decode tokens/s (every token after each request's first, over the decode steps' time), with the
+ratio to bf16's same workload; at one request also the roofline for that setting's bytes (benchmarks/roofline.py:
+weights read once a step, an untied embedding's rows only, plus the KV cache at the average context, at the measured
+copy bandwidth) and the share of it reached.
 
-Random weights (std 0.02) have no outlier features: LLM.int8 (`bitsandbytes`) then never takes its mixed
-int8/float path, which real checkpoints take on a few columns; its speed here is the int8 path alone.
+Random weights (std 0.02) have no outlier features: LLM.int8 never takes its mixed int8/float path here, which real
+checkpoints take on a few columns. LLM.int8 decodes without CUDA graphs (its outlier check reads the device on the host).
 """
 
 from __future__ import annotations
@@ -29,32 +34,54 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from benchmarks.roofline import average_decode_context, copy_bandwidth, kv_bytes_per_token
 from loraplex.config import EngineConfig, ModelConfig
-from loraplex.models.registry import config_from_hf
 from loraplex.engine.engine import Engine
 from loraplex.engine.loading import LoadedModel, build_model
-from loraplex.models.registry import model_class
+from loraplex.engine.memory import kv_cache_blocks
+from loraplex.models.registry import config_from_hf, model_class
 from loraplex.params import SamplingParams
-from loraplex.quantization import QUANTIZE_CHOICES, check_quantize, quantize_model, weight_bytes
+from loraplex.quantization import check_quantize, quantize_model, weight_bytes
 
 GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Setting:
+    quantize: str | None = None  # a --quantize mode
+    kv_cache_dtype: str = "auto"
+    w4a16_group: int | None = None  # 4-bit weight-only, this group size
+
+
+SETTINGS = {
+    "bf16": Setting(),
+    "int8": Setting("bitsandbytes"),
+    "nf4": Setting("bitsandbytes-nf4"),
+    "fp8": Setting("fp8"),
+    "fp8-kv8": Setting("fp8", kv_cache_dtype="fp8"),
+    "w4a16": Setting(w4a16_group=128),
+}
+
+
+@dataclass
+class Workload:
+    requests: int
+    adapters: int
+    decode_tokens_per_s: float = 0.0
+    roofline_tokens_per_s: float | None = None  # one request only
 
 
 @dataclass
 class Result:
     setting: str
     weight_bytes: int
-    allocated_bytes: int | None  # CUDA: allocated once the model is ready (before the KV cache)
-    peak_bytes: int | None  # CUDA: the most allocated while building and quantizing
+    kv_capacity_tokens: int
     load_s: float
-    prefill_s: float
-    decode_tokens_per_s: float
-    output_tokens_per_s: float
-    output_tokens: int
+    workloads: list[Workload] = field(default_factory=list)
 
 
 def llama_config(args: argparse.Namespace) -> ModelConfig:
@@ -71,7 +98,7 @@ def llama_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
-    """Our model built as load_model builds it, from a state dict of random tensors made on the device."""
+    """Our model built as load_model builds it, from a state dict of random tensors made on `device`."""
     with torch.device("meta"):
         tensors = model_class(config)(config).state_dict(keep_vars=True)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -89,67 +116,90 @@ def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
     return build_model(config, state)
 
 
-def run_setting(args, config: ModelConfig, setting: str, device: torch.device, dtype: torch.dtype) -> Result:
-    mode = None if setting == "base" else setting
-    if mode is not None:
-        check_quantize(mode, device, dtype)
+def quantized_model(config: ModelConfig, setting: Setting, device: torch.device, dtype: torch.dtype, seed: int):
+    if setting.quantize is not None:
+        check_quantize(setting.quantize, device, dtype)
+    # Drawn on the device (drawing 8B numbers on the host takes minutes); the float weights go as each linear is
+    # quantized.
+    quantizing = setting.quantize is not None or setting.w4a16_group is not None
+    model = random_model(config, device, dtype, seed)
+    if setting.quantize is not None:
+        quantize_model(model, setting.quantize, device, dtype)
+    if setting.w4a16_group is not None:
+        from loraplex.quantization.w4a16 import quantize_model_w4a16
+
+        quantize_model_w4a16(model, device, dtype, group_size=setting.w4a16_group)
+    if quantizing:
+        from loraplex.quantization import move_unquantized
+
+        move_unquantized(model, device)
+    return model
+
+
+def step_weight_bytes(model: torch.nn.Module, config: ModelConfig, rows: int) -> int:
+    """Weight bytes a decode step reads: everything once, but an untied embedding table only at its rows."""
+    embed = model.get_submodule("model.embed_tokens").weight
+    total = weight_bytes(model)
+    if not config.tie_word_embeddings:
+        total -= embed.numel() * embed.element_size() - min(rows, embed.shape[0]) * embed.shape[1] * embed.element_size()
+    return total
+
+
+def run_setting(args, config: ModelConfig, name: str, device: torch.device, dtype: torch.dtype, bandwidth) -> Result:
+    setting = SETTINGS[name]
     if device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
-    model = random_model(config, device, dtype, args.seed)
-    if mode is not None:
-        quantize_model(model, mode, device, dtype)
+    model = quantized_model(config, setting, device, dtype, args.seed)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     load_s = time.perf_counter() - started
-    allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    wbytes = weight_bytes(model)
-
-    tokens = args.requests * (args.prompt_len + args.new_tokens)
-    engine = Engine(
-        LoadedModel(model, config, None, device, dtype, f"random-llama-{setting}"),
-        EngineConfig(
-            device=str(device), max_batch_total_tokens=tokens + 16 * args.requests,
-            max_batch_prefill_tokens=args.max_batch_prefill_tokens, max_num_seqs=args.requests,
-            max_input_length=args.prompt_len, max_total_tokens=args.prompt_len + args.new_tokens,
-            max_active_adapters=max(1, args.adapters),
-        ),
-    )
-    adapters = [None] * args.requests
-    if args.adapters:
+    loaded = LoadedModel(model, config, None, device, dtype, f"random-llama-{name}")
+    workloads = [Workload(*map(int, w.split("x"))) for w in args.workloads.split(",")]
+    most_requests = max(w.requests for w in workloads)
+    most_adapters = max(w.adapters for w in workloads)
+    per_request = args.prompt_len + args.new_tokens
+    served = EngineConfig(device=str(device), kv_cache_dtype=setting.kv_cache_dtype, max_input_length=args.prompt_len,
+                          max_total_tokens=per_request, max_num_seqs=most_requests,
+                          max_active_adapters=max(1, most_adapters))
+    capacity = kv_cache_blocks(served, loaded) * served.block_size  # what serving with the defaults would hold
+    engine = Engine(loaded, replace(served, max_batch_total_tokens=most_requests * (per_request + 16),
+                                    max_batch_prefill_tokens=args.max_batch_prefill_tokens))
+    result = Result(name, weight_bytes(model), capacity, load_s)
+    made = []
+    if most_adapters:
         from benchmarks.adapters import AdapterSpec, random_adapter
 
-        made = [random_adapter(f"a{i}", engine.lora.base_shapes, AdapterSpec(), 64, seed=i) for i in range(args.adapters)]
-        adapters = [made[i % len(made)] for i in range(args.requests)]
+        made = [random_adapter(f"a{i}", engine.lora.base_shapes, AdapterSpec(), 64, seed=i) for i in range(most_adapters)]
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(3, config.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-
-    engine.generate(prompts, params, adapters=adapters)  # warm-up: the same run, untimed
-    runs = [_timed_run(engine, prompts, params, adapters, device) for _ in range(args.repeats)]
-    prefill_s, decode_s, output_tokens = min(runs, key=lambda run: run[0] + run[1])
-    decode_tokens = output_tokens - args.requests
-    result = Result(
-        setting, wbytes, allocated, peak, load_s, prefill_s,
-        decode_tokens / decode_s if decode_s > 0 else float("nan"), output_tokens / (prefill_s + decode_s), output_tokens,
-    )
-    del engine, model
+    kv_dtype = torch.float8_e4m3fn if setting.kv_cache_dtype == "fp8" else dtype
+    for work in workloads:
+        prompts = [[rng.randrange(3, config.vocab_size) for _ in range(args.prompt_len)] for _ in range(work.requests)]
+        adapters = [made[i % work.adapters] if work.adapters else None for i in range(work.requests)]
+        engine.generate(prompts, params, adapters=adapters)  # untimed: captures this workload's graphs
+        decode_s, tokens = min((_timed_decode(engine, prompts, params, adapters, device) for _ in range(args.repeats)),
+                               key=lambda run: run[0] / run[1])
+        work.decode_tokens_per_s = tokens / decode_s
+        if work.requests == 1:
+            kv = kv_bytes_per_token(config, kv_dtype) * average_decode_context(args.prompt_len, args.new_tokens)
+            work.roofline_tokens_per_s = bandwidth.bytes_per_s / (step_weight_bytes(model, config, 1) + kv)
+        result.workloads.append(work)
+        print(f"{name} {work.requests}x{work.adapters}: {work.decode_tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+    del engine, model, loaded
     return result
 
 
-def _timed_run(engine: Engine, prompts, params, adapters, device) -> tuple[float, float, int]:
-    """(seconds until every request has its first token, seconds after that, tokens generated)."""
+def _timed_decode(engine: Engine, prompts, params, adapters, device) -> tuple[float, int]:
+    """(seconds after every request has its first token, tokens generated in them)."""
     requests = [engine.add_request(p, params, adapter=a) for p, a in zip(prompts, adapters)]
     pending = {r.request_id for r in requests}
-    started = time.perf_counter()
-    prefilled_at = None
-    tokens = 0
+    prefilled_at, tokens = None, 0
     while engine.has_unfinished:
         outputs = engine.step()
-        tokens += len(outputs)
+        if prefilled_at is not None:
+            tokens += len(outputs)
         pending -= {o.request_id for o in outputs}
         if prefilled_at is None and not pending:
             if device.type == "cuda":
@@ -157,41 +207,32 @@ def _timed_run(engine: Engine, prompts, params, adapters, device) -> tuple[float
             prefilled_at = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    ended = time.perf_counter()
-    return prefilled_at - started, ended - prefilled_at, tokens
+    return time.perf_counter() - prefilled_at, tokens
 
 
-def format_table(results: list[Result], args, device: torch.device, dtype: torch.dtype) -> str:
-    base = next((r for r in results if r.setting == "base"), None)
+def format_table(results: list[Result], args, device: torch.device, dtype: torch.dtype, bandwidth) -> str:
     shape = (f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} KV, "
              f"intermediate {args.intermediate}, vocab {args.vocab}")
-    work = f"{args.requests} requests x {args.prompt_len} prompt / {args.new_tokens} new tokens, greedy"
-    if args.adapters:
-        work += f", {args.adapters} random rank-16 adapters"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    lines = [
-        f"random Llama ({shape}), {str(dtype).removeprefix('torch.')} compute on {name}; {work}",
-        "",
-    ]
-
-    unit, size = ("GiB", GiB) if max(r.weight_bytes for r in results) >= GiB else ("MiB", 2**20)
-
-    def gib(value: int | None) -> str:
-        return "-" if value is None else f"{value / size:.2f}"
-
-    lines += [
-        f"| setting | weights {unit} | vs base | allocated {unit} | peak {unit} | prefill s | decode tok/s | vs base "
-        "| output tok/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines = [f"random Llama ({shape}), {str(dtype).removeprefix('torch.')} compute on {name}; "
+             f"{args.prompt_len} prompt / {args.new_tokens} new tokens a request, greedy; workloads RxA: R requests over "
+             f"A rank-16 adapters; bandwidth {bandwidth.describe()}", ""]
+    base = next((r for r in results if r.setting == "bf16"), None)
+    works = [f"{w.requests}x{w.adapters}" for w in results[0].workloads]
+    lines.append("| setting | weights GiB | KV capacity tokens | " + " | ".join(f"{w} tok/s" for w in works)
+                 + " | 1 request vs roofline |")
+    lines.append("|---|---:|---:|" + "---:|" * len(works) + "---:|")
     for r in results:
-        mem_ratio = f"{r.weight_bytes / base.weight_bytes:.2f}x" if base else "-"
-        speed_ratio = f"{r.decode_tokens_per_s / base.decode_tokens_per_s:.2f}x" if base else "-"
-        label = "base" if r.setting == "base" else r.setting
-        lines.append(
-            f"| {label} | {gib(r.weight_bytes)} | {mem_ratio} | {gib(r.allocated_bytes)} | {gib(r.peak_bytes)} | "
-            f"{r.prefill_s:.2f} | {r.decode_tokens_per_s:.1f} | {speed_ratio} | {r.output_tokens_per_s:.1f} |"
-        )
+        cells = []
+        for i, w in enumerate(r.workloads):
+            ratio = f" ({w.decode_tokens_per_s / base.workloads[i].decode_tokens_per_s:.2f}x)" if base and r is not base else ""
+            cells.append(f"{w.decode_tokens_per_s:.1f}{ratio}")
+        one = next((w for w in r.workloads if w.roofline_tokens_per_s), None)
+        roof = f"{one.decode_tokens_per_s / one.roofline_tokens_per_s:.1%} of {one.roofline_tokens_per_s:.0f}" if one else "-"
+        lines.append(f"| {r.setting} | {r.weight_bytes / GiB:.2f} | {r.kv_capacity_tokens} | " + " | ".join(cells)
+                     + f" | {roof} |")
+    lines.append("")
+    lines.append("(x): the ratio to bf16's decode tokens/s on the same workload, in this run.")
     return "\n".join(lines)
 
 
@@ -200,20 +241,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--settings", default=",".join(("base", *QUANTIZE_CHOICES[:2])),
-                   help=f"comma-separated: base and any of {', '.join(QUANTIZE_CHOICES)} (default: base, 8-bit, nf4)")
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    p.add_argument("--workloads", default="1x0,32x0,64x0,64x8,64x64",
+                   help="comma-separated RxA: R requests over A random adapters (A=0: the base model)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--vocab", type=int, default=49152)
-    p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--max-batch-prefill-tokens", type=int, default=4096)
-    p.add_argument("--adapters", type=int, default=0, help="random rank-16 adapters the requests spread over (0: none)")
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per setting (after one warm-up run); the best is kept")
+    p.add_argument("--max-batch-prefill-tokens", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per workload (after one untimed run); the best")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return p.parse_args(argv)
@@ -224,19 +264,18 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    unknown = [s for s in settings if s != "base" and s not in QUANTIZE_CHOICES]
+    unknown = [s for s in settings if s not in SETTINGS]
     if unknown:
-        print(f"unknown settings {unknown}; choose from base, {', '.join(QUANTIZE_CHOICES)}", file=sys.stderr)
+        print(f"unknown settings {unknown}; choose from {', '.join(SETTINGS)}", file=sys.stderr)
         return 2
     config = llama_config(args)
-    results = []
-    for setting in settings:
-        results.append(run_setting(args, config, setting, device, dtype))
-        print(f"{setting}: done", file=sys.stderr, flush=True)
-    print(format_table(results, args, device, dtype))
+    bandwidth = copy_bandwidth(device)
+    results = [run_setting(args, config, s, device, dtype, bandwidth) for s in settings]
+    print(format_table(results, args, device, dtype, bandwidth))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": [asdict(r) for r in results]}, f, indent=2)
+            json.dump({"args": vars(args), "bandwidth": bandwidth.to_json(), "results": [asdict(r) for r in results]},
+                      f, indent=2)
     return 0
 
 
