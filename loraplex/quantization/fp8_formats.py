@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from loraplex.quantization.checkpoint_format import CheckpointFormat
+from loraplex.quantization.checkpoint_format_type import CheckpointFormat
 from loraplex.quantization.errors import QuantizationError
-from loraplex.quantization.fp8 import Fp8BlockLinear, Fp8Linear
+from loraplex.quantization.fp8_layers import Fp8BlockLinear, Fp8Linear
 
 FLOAT_QUANTIZED = "float-quantized"
 KV_SCALES = (r"\.[kv]_scale$", r"\.kv_scale$", r"_proj\.output_scale$")

@@ -29,7 +29,7 @@ from loraplex.checkpoints.sources import resolve_model
 from loraplex.config import EngineConfig
 from loraplex.engine.loading import load_model
 from loraplex.quantization import is_quantized, weight_bytes
-from loraplex.quantization.fp8 import Fp8BlockLinear, Fp8Linear
+from loraplex.quantization.fp8_layers import Fp8BlockLinear, Fp8Linear
 from loraplex.quantization.fp8_numerics import FP8, FP8_MAX
 from tests.helpers import engine_for, full_logits, tiny_hf_model
 from tests.lora.peft_helpers import ALL_PROJECTIONS, peft_model, reference_greedy, reference_logits, save_and_load

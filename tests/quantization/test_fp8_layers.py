@@ -18,7 +18,8 @@ from torch import nn
 from loraplex.layers.projections import fuse_projections, project
 from loraplex.quantization import QuantizationError, check_quantize, dequantized_weight, is_quantized
 from loraplex.quantization.checkpoint_format import checkpoint_format
-from loraplex.quantization.fp8 import Fp8BlockLinear, Fp8Linear, quantize_linear
+from loraplex.quantization.fp8 import quantize_linear
+from loraplex.quantization.fp8_layers import Fp8BlockLinear, Fp8Linear
 from loraplex.quantization.fp8_numerics import FP8, FP8_MAX, quantize_rows_torch
 
 GEN = torch.Generator().manual_seed(0)
