@@ -8,7 +8,7 @@
   comparison would miss);
 - `quant_method: fp8` with blocks (transformers' FineGrainedFP8 layout, our own writer, 32 x 32 blocks so that a
   tiny model has several), exact against transformers' dequantized model (it keeps activations in float, as our
-  block layer does);
+  block layer does); its older per-tensor form with static input scales;
 - `--quantize fp8` through load_model and the engine against the float model with the same e4m3 weights and inputs;
 - LoRA on top equals PEFT on the same reference, whose LoRA reads the unquantized input; a batch mixing adapter and
   base requests gives each its solo tokens.
@@ -90,9 +90,11 @@ def write_compressed_tensors(hf, path: pathlib.Path, preset: str) -> pathlib.Pat
     return with_tokenizer(path)
 
 
-def write_fp8_blocks(hf, path: pathlib.Path, block: tuple[int, int]) -> pathlib.Path:
-    """`hf` in transformers' FineGrainedFP8 layout: each linear but the head e4m3 with one float32 scale per
-    block (`weight_scale_inv`: what the block's e4m3 values are multiplied by)."""
+def write_fp8(hf, path: pathlib.Path, quantization_config: dict, block: tuple[int, int] | None,
+              scale_name: str = "weight_scale_inv", input_scale: tuple[str, float] | None = None) -> pathlib.Path:
+    """`hf` with each linear but the head e4m3, as `quant_method: fp8` checkpoints store it: one float32 scale per
+    block (transformers' FineGrainedFP8: `weight_scale_inv`, what the block's e4m3 values are multiplied by) or
+    per tensor (`block` None), and a static input scale (name, value) when given."""
     from safetensors.torch import load_file, save_file
 
     hf.save_pretrained(path)
@@ -101,18 +103,20 @@ def write_fp8_blocks(hf, path: pathlib.Path, block: tuple[int, int]) -> pathlib.
         if type(module) is not nn.Linear or name == "lm_head":
             continue
         w = module.weight.detach().float()
-        rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
-        padded = torch.zeros(rows * block[0], cols * block[1])
+        tile = block or tuple(w.shape)
+        rows, cols = -(-w.shape[0] // tile[0]), -(-w.shape[1] // tile[1])
+        padded = torch.zeros(rows * tile[0], cols * tile[1])
         padded[: w.shape[0], : w.shape[1]] = w
-        blocks = padded.view(rows, block[0], cols, block[1])
+        blocks = padded.view(rows, tile[0], cols, tile[1])
         scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(1e-12)
         q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view_as(padded)
         state[f"{name}.weight"] = q[: w.shape[0], : w.shape[1]].contiguous()
-        state[f"{name}.weight_scale_inv"] = scale
+        state[f"{name}.{scale_name}"] = scale if block else scale.reshape(())
+        if input_scale is not None:
+            state[f"{name}.{input_scale[0]}"] = torch.tensor(input_scale[1])
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block), "modules_to_not_convert": ["lm_head"]}
+    config["quantization_config"] = quantization_config
     (path / "config.json").write_text(json.dumps(config))
     return with_tokenizer(path)
 
@@ -186,7 +190,9 @@ def test_compressed_tensors_checkpoint_matches_transformers(hf, tmp_path, preset
 
 
 def test_fp8_block_checkpoint_is_exact_against_transformers_dequantized(hf, tmp_path):
-    path = write_fp8_blocks(hf, tmp_path, (32, 32))
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
+              "modules_to_not_convert": ["lm_head"]}
+    path = write_fp8(hf, tmp_path, config, (32, 32))
     loaded, logs = ours(path)
     layer = loaded.model.model.layers[1].mlp.down_proj
     assert isinstance(layer, Fp8BlockLinear) and layer.weight_scale_inv.shape == (2, 4)
@@ -195,6 +201,23 @@ def test_fp8_block_checkpoint_is_exact_against_transformers_dequantized(hf, tmp_
     torch.testing.assert_close(layer.dequantized(), reference.model.layers[1].mlp.down_proj.weight.float(),
                                rtol=0, atol=0)
     check_against(loaded, reference, hf)
+
+
+def test_fp8_per_tensor_static_checkpoint(hf, tmp_path):
+    """The older `quant_method: fp8` form (AutoFP8's, as vLLM reads it): per-tensor `weight_scale` and a static
+    `input_scale`, no `weight_block_size`. transformers does not read it: the reference is the float model with
+    its dequantized weights and inputs rounded with the static scale."""
+    path = write_fp8(hf, tmp_path, {"quant_method": "fp8", "activation_scheme": "static"}, None, "weight_scale",
+                     ("input_scale", STATIC_INPUT_SCALE))
+    loaded, logs = ours(path)
+    assert any("fp8 per-tensor, static activations" in line for line in logs)
+    reference = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, module in loaded.model.named_modules():
+            if isinstance(module, Fp8Linear):
+                assert module.input_scale == STATIC_INPUT_SCALE and module.weight_scale.unique().numel() == 1
+                reference.get_submodule(name).weight.copy_(module.dequantized())
+    check_against(loaded, with_fp8_inputs(reference, {n: STATIC_INPUT_SCALE for n, _ in hf.named_modules()}), hf)
 
 
 # ---- --quantize fp8 and LoRA on top ------------------------------------------------------------------------
@@ -223,9 +246,11 @@ def test_quantize_fp8_matches_the_rounded_float_model(hf, quantized):
     check_against(loaded, reference, hf)
 
 
-def test_lora_on_fp8_matches_peft(quantized, tmp_path):
+def test_lora_on_fp8_matches_peft(quantized, tmp_path, monkeypatch):
+    from loraplex.engine import runner as runner_module
+
     loaded, reference = quantized
-    model, config = loaded.model, loaded.config
+    model, config = copy.deepcopy(loaded.model), loaded.config  # fused below: the module's model stays unfused
     trained = peft_model(reference, seed=3, r=8, lora_alpha=16, target_modules=list(ALL_PROJECTIONS))
     engine = engine_for(model, config, max_batch_total_tokens=1024, max_active_adapters=2)
     adapter = save_and_load(trained, tmp_path, "a", engine.lora.base_shapes,
@@ -242,3 +267,9 @@ def test_lora_on_fp8_matches_peft(quantized, tmp_path):
     solo = [engine.generate([p], PARAMS, adapters=[a])[0].token_ids for p, a in zip(ps, adapters)]
     assert solo[:2] == [reference_greedy(trained, ps[0], NEW), reference_greedy(reference, ps[1], NEW)]
     assert [o.token_ids for o in engine.generate(ps, PARAMS, adapters=adapters)] == solo
+
+    # q/k/v and gate/up in one FP8 product each (as the runner fuses them on CUDA), the adapter on each sibling.
+    monkeypatch.setattr(runner_module, "fused_projections_wanted", lambda device: True)
+    fused = engine_for(model, config, max_batch_total_tokens=1024, max_active_adapters=2)
+    assert isinstance(model.model.layers[0].mlp.fused_projections[("gate_proj", "up_proj")].layer, Fp8Linear)
+    assert [o.token_ids for o in fused.generate(ps, PARAMS, adapters=adapters)] == solo
