@@ -8,7 +8,11 @@ rows, the time per call of:
 - `fp8`: Fp8Linear as the engine runs it (activations quantized by the Triton kernel, then `torch._scaled_mm`);
 - `fp8-torch`: the same with the activations quantized by the torch ops (four launches: the fallback);
 - `gemm`: `torch._scaled_mm` alone on already-quantized activations (what the quantization costs is fp8 - gemm);
-- `block`: Fp8BlockLinear (128 x 128 block scales; dequantizes its weight on every call);
+- `block`: Fp8BlockLinear (128 x 128 block scales; dequantizes its weight on every call: exact, slow);
+- `blk-mm`: what a tensor-core path for block checkpoints would take: activations quantized per 1 x 128 group
+  (torch ops) and `torch._scaled_mm` with (1x128, 128x128) block scales, where this torch and GPU run it (else the
+  note says why); its largest error against the exact block product is printed too (it rounds the activations,
+  the exact layer does not);
 - `torchao`: torchao's float8 dynamic-activation / per-row weight inference path, when torchao imports (else
   the column says why not).
 
@@ -97,6 +101,27 @@ def block_layer(weight: torch.Tensor) -> Fp8BlockLinear:
     return Fp8BlockLinear(q, scale, (128, 128))
 
 
+def block_scaled_mm(layer: Fp8BlockLinear, x: torch.Tensor):
+    """A closure computing `layer`'s product on the tensor cores with block scales (activations per 1 x 128
+    group), and its largest relative error against the exact product; or (None, why not)."""
+    m, k = x.shape
+    groups = x.float().view(m, k // 128, 128)
+    scale_a = (groups.abs().amax(-1) / numerics.FP8_MAX).clamp_min(numerics.MIN_SCALE)
+    q = numerics.to_fp8(groups / scale_a[..., None]).view(m, k)
+    errors = []
+    for name, a, b in (("M-major scale_a", scale_a.t().contiguous().t(), layer.weight_scale_inv.t()),
+                       ("row-major scales", scale_a.contiguous(), layer.weight_scale_inv.t().contiguous())):
+        call = lambda a=a, b=b: torch._scaled_mm(q, layer.weight.t(), scale_a=a, scale_b=b, out_dtype=DTYPE)  # noqa: E731
+        try:
+            got = call().float()
+        except Exception as exc:  # noqa: BLE001 - not supported by this torch / cuBLAS / GPU
+            errors.append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}")
+            continue
+        want = layer(x).float()
+        return call, f"{name}; max error {((got - want).abs().max() / want.abs().max()).item():.2%} of max |out|"
+    return None, "; ".join(errors)
+
+
 def bench_shape(name: str, k: int, n: int, rows: tuple[int, ...], calls: int, replays: int, with_torchao: bool):
     copies = max(1, math.ceil(L2_FLUSH_BYTES / (n * k)))  # fp8 bytes; the bf16 copies are twice as large
     torch.manual_seed(0)
@@ -124,6 +149,10 @@ def bench_shape(name: str, k: int, n: int, rows: tuple[int, ...], calls: int, re
         row["gemm"] = graph_seconds([lambda l=l: numerics.scaled_mm(q, q_scale, l.weight, l.weight_scale.view(1, -1),
                                                                     DTYPE) for l in pick(fp8)], replays)
         row["block"] = graph_seconds([lambda l=l: l(x) for l in pick(blocks)], max(3, replays // 4))
+        block_mms = [block_scaled_mm(b, x) for b in blocks]
+        row["blk_mm_note"] = block_mms[0][1]
+        row["blk_mm"] = None if block_mms[0][0] is None else graph_seconds(
+            [call for call, _ in pick(block_mms)], replays)
         row["torchao"] = graph_seconds([lambda l=l: l(x) for l in pick(ao)], replays) if ao else None
         row["torchao_note"] = ao_note
         row["fp8_bytes"] = n * k + 4 * n + m * k * (2 + 1) + 4 * m + 2 * m * n
@@ -140,16 +169,17 @@ def us(seconds: float | None) -> str:
 
 
 def report(results: list[dict], peak: float, copy_bytes_per_s: float) -> list[str]:
-    lines = [f"{'linear':>8} {'M':>3} | {'bf16':>7} {'fp8':>7} {'fp8-tor':>7} {'gemm':>7} {'block':>7} {'torchao':>7}"
+    lines = [f"{'linear':>8} {'M':>3} | {'bf16':>7} {'fp8':>7} {'fp8-tor':>7} {'gemm':>7} {'block':>7} {'blk-mm':>7} {'torchao':>7}"
              f" | {'bf16/fp8':>8} | {'fp8 TB/s':>8} {'of peak':>7} {'of copy':>7} | {'bf16 TB/s':>9}  (us per call)"]
     for r in results:
         rate = r["fp8_bytes"] / r["fp8"]
         lines.append(
             f"{r['shape']:>8} {r['rows']:>3} | {us(r['bf16'])} {us(r['fp8'])} {us(r['fp8_torch'])} {us(r['gemm'])} "
-            f"{us(r['block'])} {us(r['torchao'])} | {r['bf16'] / r['fp8']:8.2f} | {rate / 1e12:8.2f} "
+            f"{us(r['block'])} {us(r['blk_mm'])} {us(r['torchao'])} | {r['bf16'] / r['fp8']:8.2f} | {rate / 1e12:8.2f} "
             f"{rate / peak:7.0%} {rate / copy_bytes_per_s:7.0%} | {r['bf16_bytes'] / r['bf16'] / 1e12:9.2f}")
     notes = {r["torchao_note"] for r in results if r["torchao_note"]}
     lines += [f"torchao: {note}" for note in notes]
+    lines += [f"blk-mm {r['shape']} M={r['rows']}: {r['blk_mm_note']}" for r in results]
     lines.append("one layer's four linears (decode step linear time per layer):")
     for m in sorted({r["rows"] for r in results}):
         layer = [r for r in results if r["rows"] == m]
