@@ -7,6 +7,8 @@ rows, the time per call of:
 - `bf16`: F.linear on the bfloat16 weight;
 - `fp8`: Fp8Linear as the engine runs it (activations quantized by the Triton kernel, then `torch._scaled_mm`);
 - `fp8-torch`: the same with the activations quantized by the torch ops (four launches: the fallback);
+- `fp8-p17`: `fp8` with fewer than 17 rows padded to 17 zero rows (Fp8Linear.min_rows), should cuBLASLt's FP8
+  kernels for a few rows be slower than for 17;
 - `gemm`: `torch._scaled_mm` alone on already-quantized activations (what the quantization costs is fp8 - gemm);
 - `block`: Fp8BlockLinear (128 x 128 block scales; dequantizes its weight on every call: exact, slow);
 - `blk-mm`: what a tensor-core path for block checkpoints would take: activations quantized per 1 x 128 group
@@ -20,8 +22,9 @@ Each is timed as the engine's decode steps run: a CUDA graph of `--calls` calls,
 CUDA events (the best replay counts), cycling over enough copies of the weights that none is in L2 when read.
 Reported per call in microseconds, with the FP8 path's bytes (weight, scales, activations, output) per second
 against the H200's 4.8 TB/s (`--peak-tb-s`) and against the measured copy bandwidth; last, the four linears of a
-layer summed (the decode step's linear time at M rows) for bf16, fp8 and fp8-torch, and their ratio. Choose the
-activation quantizer by fp8 vs fp8-torch, and the FP8 product (ours or torchao's) by fp8 vs torchao.
+layer summed (the decode step's linear time at M rows) for bf16, fp8, fp8-torch and fp8-p17, and their ratios.
+Choose the activation quantizer by fp8 vs fp8-torch, the padding (fp8_layers.SCALED_MM_MIN_ROWS) by fp8 vs
+fp8-p17, and the FP8 product (ours or torchao's) by fp8 vs torchao.
 `--json PATH` writes every figure.
 """
 
@@ -143,7 +146,10 @@ def bench_shape(name: str, k: int, n: int, rows: tuple[int, ...], calls: int, re
             layer.activation_quant = "triton"
         row["fp8"] = graph_seconds([lambda l=l: l(x) for l in pick(fp8)], replays)
         for layer in fp8:
-            layer.activation_quant = "torch"
+            layer.min_rows = 17
+        row["fp8_p17"] = graph_seconds([lambda l=l: l(x) for l in pick(fp8)], replays) if m < 17 else row["fp8"]
+        for layer in fp8:
+            layer.activation_quant, layer.min_rows = "torch", 1
         row["fp8_torch"] = graph_seconds([lambda l=l: l(x) for l in pick(fp8)], replays)
         q, q_scale = numerics.quantize_rows_torch(x, None)
         row["gemm"] = graph_seconds([lambda l=l: numerics.scaled_mm(q, q_scale, l.weight, l.weight_scale.view(1, -1),
@@ -169,12 +175,12 @@ def us(seconds: float | None) -> str:
 
 
 def report(results: list[dict], peak: float, copy_bytes_per_s: float) -> list[str]:
-    lines = [f"{'linear':>8} {'M':>3} | {'bf16':>7} {'fp8':>7} {'fp8-tor':>7} {'gemm':>7} {'block':>7} {'blk-mm':>7} {'torchao':>7}"
+    lines = [f"{'linear':>8} {'M':>3} | {'bf16':>7} {'fp8':>7} {'fp8-tor':>7} {'fp8-p17':>7} {'gemm':>7} {'block':>7} {'blk-mm':>7} {'torchao':>7}"
              f" | {'bf16/fp8':>8} | {'fp8 TB/s':>8} {'of peak':>7} {'of copy':>7} | {'bf16 TB/s':>9}  (us per call)"]
     for r in results:
         rate = r["fp8_bytes"] / r["fp8"]
         lines.append(
-            f"{r['shape']:>8} {r['rows']:>3} | {us(r['bf16'])} {us(r['fp8'])} {us(r['fp8_torch'])} {us(r['gemm'])} "
+            f"{r['shape']:>8} {r['rows']:>3} | {us(r['bf16'])} {us(r['fp8'])} {us(r['fp8_torch'])} {us(r['fp8_p17'])} {us(r['gemm'])} "
             f"{us(r['block'])} {us(r['blk_mm'])} {us(r['torchao'])} | {r['bf16'] / r['fp8']:8.2f} | {rate / 1e12:8.2f} "
             f"{rate / peak:7.0%} {rate / copy_bytes_per_s:7.0%} | {r['bf16_bytes'] / r['bf16'] / 1e12:9.2f}")
     notes = {r["torchao_note"] for r in results if r["torchao_note"]}
@@ -185,11 +191,12 @@ def report(results: list[dict], peak: float, copy_bytes_per_s: float) -> list[st
         layer = [r for r in results if r["rows"] == m]
         if len(layer) != len(SHAPES):
             continue
-        total = {key: sum(r[key] for r in layer) for key in ("bf16", "fp8", "fp8_torch", "gemm")}
+        total = {key: sum(r[key] for r in layer) for key in ("bf16", "fp8", "fp8_torch", "fp8_p17", "gemm")}
         fp8_bytes = sum(r["fp8_bytes"] for r in layer)
         lines.append(f"  M={m:>2}: bf16 {us(total['bf16'])} fp8 {us(total['fp8'])} fp8-torch {us(total['fp8_torch'])}"
-                     f" gemm {us(total['gemm'])} | bf16/fp8 {total['bf16'] / total['fp8']:.2f}x, bf16/fp8-torch "
-                     f"{total['bf16'] / total['fp8_torch']:.2f}x | fp8 at {fp8_bytes / total['fp8'] / peak:.0%} of peak")
+                     f" fp8-p17 {us(total['fp8_p17'])} gemm {us(total['gemm'])} | bf16/fp8 {total['bf16'] / total['fp8']:.2f}x,"
+                     f" bf16/fp8-torch {total['bf16'] / total['fp8_torch']:.2f}x, bf16/fp8-p17 "
+                     f"{total['bf16'] / total['fp8_p17']:.2f}x | fp8 at {fp8_bytes / total['fp8'] / peak:.0%} of peak")
     return lines
 
 

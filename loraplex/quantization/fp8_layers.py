@@ -23,6 +23,9 @@ import loraplex.quantization.fp8_numerics as numerics
 from loraplex.quantization.layer import QuantizedLinear
 
 
+SCALED_MM_MIN_ROWS = 1  # see Fp8Linear.min_rows
+
+
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
@@ -58,16 +61,20 @@ class Fp8Linear(_Fp8Layer):
         self.input_scale = None if input_scale is None else _frozen(input_scale)
         # "triton" (one launch) where it runs, else "torch" (four ops); benchmarks/fp8_kernels.py sets it to compare.
         self.activation_quant = "triton" if triton_available(weight.device) else "torch"
+        # Products of fewer rows are padded to this many (zero rows) for `_scaled_mm`, with the Triton quantizer:
+        # cuBLASLt's FP8 kernels for a few rows may be slower than for more; benchmarks/fp8_kernels.py measures.
+        self.min_rows = SCALED_MM_MIN_ROWS
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float() * self.weight_scale[:, None]
 
-    def quantize_input(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Activation rows [M, K] -> (e4m3 rows, float32 scales [M, 1]), as the layer's product reads them."""
+    def quantize_input(self, rows: torch.Tensor, min_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Activation rows [M, K] -> (e4m3 rows, float32 scales [M, 1]), as the layer's product reads them; the
+        Triton quantizer pads them with zero rows to `min_rows`."""
         if self.activation_quant == "triton" and rows.is_cuda and rows.stride(-1) == 1:
             from loraplex.quantization.fp8_triton import quantize_rows
 
-            return quantize_rows(rows, self.input_scale)
+            return quantize_rows(rows, self.input_scale, min_rows)
         return numerics.quantize_rows_torch(rows, self.input_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,10 +82,12 @@ class Fp8Linear(_Fp8Layer):
         if rows.shape[0] == 0:
             out = rows.new_empty(0, self.out_features)
         else:
-            q, q_scale = self.quantize_input(rows)
             if numerics.scaled_mm_usable(x.device, self.in_features, self.out_features):
+                q, q_scale = self.quantize_input(rows, self.min_rows)
                 out = numerics.scaled_mm(q, q_scale, self.weight, self.weight_scale.view(1, -1), x.dtype)
+                out = out[: rows.shape[0]]
             else:
+                q, q_scale = self.quantize_input(rows)
                 out = numerics.emulated_scaled_mm(q, q_scale, self.weight, self.weight_scale, x.dtype)
         if self.bias is not None:
             out = out + self.bias
@@ -100,7 +109,7 @@ class Fp8Linear(_Fp8Layer):
             input_scale = None if first.input_scale is None else torch.stack([lin.input_scale for lin in linears]).amax()
             fused = cls(torch.cat([lin.weight for lin in linears]), torch.cat([lin.weight_scale for lin in linears]),
                         None if first.bias is None else torch.cat([lin.bias for lin in linears]), input_scale)
-        fused.activation_quant = first.activation_quant
+        fused.activation_quant, fused.min_rows = first.activation_quant, first.min_rows
         start = 0
         for linear in linears:
             rows = slice(start, start + linear.out_features)

@@ -74,6 +74,21 @@ def test_triton_activation_quantizer_matches_torch(rows, static):
     assert torch.isfinite(q.float()).all()
 
 
+def test_padded_rows_are_zeros_and_leave_the_product_alone():
+    from loraplex.quantization.fp8_triton import quantize_rows
+
+    x = torch.randn(3, 1024, device=DEVICE, dtype=DTYPE)
+    q, s = quantize_rows(x, None, min_rows=17)
+    assert q.shape == (17, 1024) and s.shape == (17, 1) and q[3:].float().eq(0).all()
+    torch.testing.assert_close(q[:3].float(), quantize_rows(x, None)[0].float(), rtol=0, atol=0)
+    layer = quantize_linear(float_linear(1024, 768), DEVICE, DTYPE)
+    unpadded = layer(x)
+    layer.min_rows = 17
+    padded = layer(x)
+    assert padded.shape == (3, 768)
+    torch.testing.assert_close(padded.float(), unpadded.float(), atol=1e-2 * unpadded.abs().max().item(), rtol=0)
+
+
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("rows", [1, 8, 33])
 def test_scaled_mm_equals_the_emulated_product(rows, static):
