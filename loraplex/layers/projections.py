@@ -6,6 +6,10 @@ of one concatenated weight and `project` multiplies by it once: on a GPU decodin
 products were three launches each too small to reach the memory bandwidth (the 8B shape's k and v weights are
 8 MB). Unfused, `project` calls each linear: the CPU path, and the checkpoint names, stay as they were.
 
+A linear that keeps its own product (a quantized one) fuses with same-kind siblings through its class's
+`fuse_siblings(linears) -> layer | None`: one layer of that kind computing the siblings' concatenated outputs
+(their tensors become views of its own), which `project` then calls instead of the plain product.
+
 The siblings may be wrapped (the LoRA layer, lora/layers.py) by a `LinearWrapper`, the one seam between them:
 `project` hands the wrapper of the siblings the fused product to run (`around_product`), and the wrapper adds its
 own terms to the outputs (and may start work that needs only the input before the product).
@@ -38,6 +42,11 @@ class FusedWeights:
     weight: torch.Tensor  # [sum of out_features, in_features]; each sibling's weight is a view of it
     bias: torch.Tensor | None
     sizes: tuple[int, ...]  # each sibling's out_features, in order
+    layer: nn.Module | None = None  # the siblings' fused layer, where they keep their own product (quantized)
+
+    def product(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = F.linear(x, self.weight, self.bias) if self.layer is None else self.layer(x)
+        return out.split(self.sizes, dim=-1)
 
 
 def project(owner: nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
@@ -47,7 +56,7 @@ def project(owner: nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> tuple[
     # Stale when the module's parameters were replaced since (`model.to(...)` copies each on its own).
     if fused is None or _inner(linears[0]).weight.data_ptr() != fused.weight.data_ptr():
         return tuple(linear(x) for linear in linears)
-    product = lambda: F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)  # noqa: E731
+    product = lambda: fused.product(x)  # noqa: E731
     first = linears[0]
     if isinstance(first, LinearWrapper) and all(type(linear) is type(first) for linear in linears):
         return first.around_product(linears, x, fused.sizes, product)  # the wrappers' terms, all at once
@@ -69,10 +78,21 @@ def _plain_linear(module: nn.Module) -> nn.Linear | None:
     return linear if type(linear) is nn.Linear else None
 
 
+def _fused_layer(owner: nn.Module, names: tuple[str, ...]) -> FusedWeights | None:
+    """The siblings `names` as one layer of their own kind (`fuse_siblings`), when their class gives one."""
+    linears = [_inner(getattr(owner, name)) for name in names]
+    fuse = getattr(type(linears[0]), "fuse_siblings", None)
+    if fuse is None or any(type(linear) is not type(linears[0]) for linear in linears):
+        return None
+    layer = fuse(linears)
+    return None if layer is None else FusedWeights(layer.weight, None, tuple(l.out_features for l in linears), layer)
+
+
 def fuse_projections(model: nn.Module) -> int:
     """Concatenate the weights of every sibling group that can be (plain linears of one dtype and device, all
-    with biases or none) and make each sibling's weight a view of the concatenation (no second copy is kept).
-    Fusing twice is a no-op. Returns how many groups are fused."""
+    with biases or none) and make each sibling's weight a view of the concatenation (no second copy is kept);
+    siblings of a kind with its own product fuse through it (`fuse_siblings`). Fusing twice is a no-op. Returns
+    how many groups are fused."""
     count = 0
     for owner in model.modules():
         for names in getattr(owner, "SIBLINGS", ()):
@@ -82,6 +102,10 @@ def fuse_projections(model: nn.Module) -> int:
                 continue
             linears = [_plain_linear(getattr(owner, name)) for name in names]
             if any(linear is None for linear in linears):
+                own = _fused_layer(owner, names)
+                if own is not None:
+                    fused[names] = own
+                    count += 1
                 continue
             weights = [linear.weight for linear in linears]
             biases = [linear.bias for linear in linears]
