@@ -30,16 +30,7 @@ def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
 
-class _Fp8Layer(QuantizedLinear):
-    """What both FP8 layers share: they are built whole from their checkpoint tensors (or a float linear), so the
-    strict loader, which runs after (checkpoint_format.replace_quantized_linears), sees only their bias."""
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        if self.bias is not None:
-            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
-
-
-class Fp8Linear(_Fp8Layer):
+class Fp8Linear(QuantizedLinear):
     """weight float8_e4m3fn [N, K], weight_scale float32 [N], optional static input_scale (float32 scalar)."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -121,7 +112,7 @@ class Fp8Linear(_Fp8Layer):
         return fused
 
 
-class Fp8BlockLinear(_Fp8Layer):
+class Fp8BlockLinear(QuantizedLinear):
     """weight float8_e4m3fn [N, K], weight_scale_inv float32 [ceil(N / block_n), ceil(K / block_k)]: weight block
     (i, j) is multiplied by scale (i, j) (transformers names it "inverse": it is what the e4m3 values are
     multiplied by)."""

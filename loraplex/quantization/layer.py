@@ -10,10 +10,11 @@ from torch import nn
 class QuantizedLinear(nn.Linear):
     """A linear [in_features -> out_features] whose weight is stored quantized.
 
-    Subclasses register their own tensors (as parameters or buffers, under the names their checkpoints use, so that
-    the strict loader fills them), compute `forward(x)` in x's dtype, and give `dequantized()`: the weight
-    [out_features, in_features] their product multiplies by, as floats (the LoRA merge and the tests read it).
-    The bias, when there is one, is a plain parameter `bias` in the compute dtype.
+    A layer is built whole, from its checkpoint's tensors (checkpoint_format.replace_quantized_linears) or from a
+    float linear (--quantize), before the strict loader runs: so its state dict holds only its `bias` (a plain
+    parameter in the compute dtype, when there is one), the one tensor that loader fills. Subclasses keep their own
+    tensors in whatever layout their kernel reads, compute `forward(x)` in x's dtype, and give `dequantized()`: the
+    weight [out_features, in_features] their product multiplies by, as floats (the LoRA merge and the tests read it).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device=None, dtype=None) -> None:
@@ -27,6 +28,10 @@ class QuantizedLinear(nn.Linear):
 
     def dequantized(self) -> torch.Tensor:
         raise NotImplementedError
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
     def quantized_tensors(self) -> list[torch.Tensor]:
         """Every tensor the layer stores (for counting its bytes): parameters and buffers by default."""
