@@ -126,14 +126,26 @@ def quantized_model(config: ModelConfig, setting: Setting, device: torch.device,
     if setting.quantize is not None:
         quantize_model(model, setting.quantize, device, dtype)
     if setting.w4a16_group is not None:
-        from loraplex.quantization.w4a16 import quantize_model_w4a16
-
-        quantize_model_w4a16(model, device, dtype, group_size=setting.w4a16_group)
+        _round_to_w4a16(model, device, dtype, setting.w4a16_group)
     if quantizing:
         from loraplex.quantization import move_unquantized
 
         move_unquantized(model, device)
     return model
+
+
+def _round_to_w4a16(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, group_size: int) -> None:
+    """Every linear --quantize would quantize, as the W4A16 layer GPTQ/AWQ checkpoints load into (rounded to
+    nearest: the kernels' speed does not depend on how the integers were chosen)."""
+    from loraplex.quantization import default_skip
+    from loraplex.quantization.w4a16 import W4A16Linear
+
+    skip = default_skip(model)
+    names = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and not skip(n)]
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        setattr(owner, child, W4A16Linear.from_float(getattr(owner, child), group_size, device=device, dtype=dtype))
 
 
 def step_weight_bytes(model: torch.nn.Module, config: ModelConfig, rows: int) -> int:

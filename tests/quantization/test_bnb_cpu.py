@@ -323,23 +323,6 @@ def test_embedded_model_through_load_model_gives_transformers_tokens(embedded):
     assert tokens == [reference_greedy(reference, p, NEW) for p in ps]
 
 
-def test_benchmark_smoke(tmp_path, capsys):
-    """benchmarks/quantization.py on a tiny shape: a row per setting, the quantized weights smaller."""
-    import json
-
-    from benchmarks.quantization import main
-
-    out = tmp_path / "q.json"
-    assert main(["--device", "cpu", "--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2",
-                 "--intermediate", "256", "--vocab", "512", "--requests", "3", "--prompt-len", "20", "--new-tokens", "4",
-                 "--settings", "base,bitsandbytes,bitsandbytes-fp4", "--adapters", "2", "--json", str(out)]) == 0
-    table = capsys.readouterr().out
-    assert "| base |" in table and "| bitsandbytes |" in table and "| bitsandbytes-fp4 |" in table
-    results = {r["setting"]: r for r in json.loads(out.read_text())["results"]}
-    assert all(r["output_tokens"] == 3 * 4 for r in results.values())
-    assert results["bitsandbytes-fp4"]["weight_bytes"] < results["bitsandbytes"]["weight_bytes"] < results["base"]["weight_bytes"]
-
-
 # ---- the parts --------------------------------------------------------------------------------------------
 
 
