@@ -21,7 +21,7 @@ import functools
 import torch
 from torch import nn
 
-from loraplex.quantization.checkpoint_format import CheckpointFormat
+from loraplex.quantization.format_spec import CheckpointFormat
 from loraplex.quantization.errors import QuantizationError
 from loraplex.quantization.w4a16 import W4A16Linear
 
