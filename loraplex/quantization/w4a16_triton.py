@@ -24,19 +24,16 @@ from loraplex.kernels.launch import Launcher
 
 PACK_BLOCK = 128  # input features per packed block (w4a16.KERNEL_BLOCK)
 WORDS = PACK_BLOCK // 8
-PROGRAMS_PER_SM = 4  # programs wanted for a decode-sized product: several per SM keep loads in flight
 REDUCE_BLOCK = 256
+# Launch shapes, guesses until measured (benchmarks/w4a16_kernels.py sweeps both and prints the best):
+PROGRAMS_PER_SM = 4  # programs wanted for a decode-sized product: several per SM keep loads in flight
+# (most rows, BLOCK_M, BLOCK_N, num_warps): the first entry whose most rows is >= M (None: any); tl.dot needs 16 rows.
+TILES = [(16, 16, 64, 4), (32, 32, 64, 4), (64, 64, 64, 4), (None, 64, 128, 4)]
 
 
 def tile_config(m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for a product of m rows: tl.dot needs at least 16 rows."""
-    if m <= 16:
-        return 16, 64, 4
-    if m <= 32:
-        return 32, 64, 4
-    if m <= 64:
-        return 64, 64, 4
-    return 64, 128, 4
+    """(BLOCK_M, BLOCK_N, num_warps) for a product of m rows."""
+    return next((bm, bn, warps) for most, bm, bn, warps in TILES if most is None or m <= most)
 
 
 @triton.jit
@@ -93,16 +90,16 @@ _sum_splits = Launcher(_sum_splits_kernel)
 
 
 @functools.cache
-def _programs_wanted(device_index: int) -> int:
+def _sm_count(device_index: int) -> int:
     if not torch.cuda.is_available():  # TRITON_INTERPRET=1 on the CPU: any figure does
-        return 132 * PROGRAMS_PER_SM
-    return torch.cuda.get_device_properties(device_index).multi_processor_count * PROGRAMS_PER_SM
+        return 132
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def split_plan(tiles: int, blocks: int, device: torch.device) -> tuple[int, int]:
     """(splits, blocks per split) of `blocks` input blocks so that tiles x splits fills the GPU: the most splits,
     up to that, that divide the blocks evenly (no split runs short, so the kernel needs no bound of its own)."""
-    wanted = max(1, min(blocks, _programs_wanted(device.index or 0) // tiles))
+    wanted = max(1, min(blocks, _sm_count(device.index or 0) * PROGRAMS_PER_SM // tiles))
     splits = max(d for d in range(1, wanted + 1) if blocks % d == 0)
     return splits, blocks // splits
 
