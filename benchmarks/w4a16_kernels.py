@@ -10,14 +10,15 @@ dequantized weight (relative to the output's largest value; bf16 rounding is ~4e
 (q and o, k and v, gate and up, down: each shape's count) in total per M, the figure the issue's targets read
 (>= 2.5x bf16 at M = 1, no worse than bf16 at M = 64).
 
-Then (unless --no-sweep) a sweep of the Triton kernel's launch shapes (PROGRAMS_PER_SM x BLOCK_N per M bucket),
-printing the best per M over the four shapes' total: set w4a16_triton.PROGRAMS_PER_SM and TILES from it, and
+Then (unless --no-sweep) a sweep of the Triton kernel's launch shapes (PROGRAMS_PER_SM x BLOCK_N of M's bucket x
+PARTIAL_SHARE), printing the best per M over a layer's total: set w4a16_triton's constants from it, and
 w4a16.KERNEL to the faster candidate.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 from typing import Callable
@@ -141,28 +142,29 @@ def table(results: dict, rows: list[int], names: list[str]) -> None:
 def sweep(cases: dict[str, Case], rows: list[int]) -> dict:
     """The Triton kernel's launch shapes: PROGRAMS_PER_SM x BLOCK_N of M's tile bucket, per M; the best by the
     layer's total time."""
-    saved = (w4a16_triton.PROGRAMS_PER_SM, list(w4a16_triton.TILES))
+    saved = (w4a16_triton.PROGRAMS_PER_SM, list(w4a16_triton.TILES), w4a16_triton.PARTIAL_SHARE)
     best = {}
     print("Triton launch-shape sweep (layer total us, the three fastest per M; * = best):")
-    print("| M | programs/SM | BLOCK_N | layer us |")
-    print("|---|---|---|---|")
+    print("| M | PROGRAMS_PER_SM | BLOCK_N | PARTIAL_SHARE | layer us |")
+    print("|---|---|---|---|---|")
     try:
         for m in rows:
             options = []
-            for programs in (2, 4, 8):
-                for block_n in (32, 64, 128):
-                    w4a16_triton.PROGRAMS_PER_SM = programs
-                    w4a16_triton.TILES = [(most, bm, block_n if (most is None or m <= most) else bn, warps)
-                                          for most, bm, bn, warps in saved[1]]
-                    total = sum(count * measure(cases[s], m, "triton")["us"] for s, _, _, count in SHAPES)
-                    options.append((total, programs, block_n))
+            for programs, block_n, share in itertools.product((4, 8, 16), (32, 64, 128), (0.25, 1.0)):
+                w4a16_triton.PROGRAMS_PER_SM, w4a16_triton.PARTIAL_SHARE = programs, share
+                w4a16_triton.TILES = [(most, bm, block_n if (most is None or m <= most) else bn, warps)
+                                      for most, bm, bn, warps in saved[1]]
+                total = sum(count * measure(cases[s], m, "triton")["us"] for s, _, _, count in SHAPES)
+                options.append((total, programs, block_n, share))
             options.sort()
-            for total, programs, block_n in options[:3]:  # the three fastest
-                mark = " *" if (total, programs, block_n) == options[0] else ""
-                print(f"| {m} | {programs} | {block_n} | {total:.1f}{mark} |")
-            best[m] = {"layer_us": options[0][0], "programs_per_sm": options[0][1], "block_n": options[0][2]}
+            for option in options[:3]:  # the three fastest
+                total, programs, block_n, share = option
+                mark = " *" if option == options[0] else ""
+                print(f"| {m} | {programs} | {block_n} | {share} | {total:.1f}{mark} |")
+            total, programs, block_n, share = options[0]
+            best[m] = {"layer_us": total, "programs_per_sm": programs, "block_n": block_n, "partial_share": share}
     finally:
-        w4a16_triton.PROGRAMS_PER_SM, w4a16_triton.TILES = saved
+        w4a16_triton.PROGRAMS_PER_SM, w4a16_triton.TILES, w4a16_triton.PARTIAL_SHARE = saved
     print()
     print("best per M:", json.dumps(best))
     return best

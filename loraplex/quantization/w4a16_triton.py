@@ -26,9 +26,10 @@ PACK_BLOCK = 128  # input features per packed block (w4a16.KERNEL_BLOCK)
 WORDS = PACK_BLOCK // 8
 REDUCE_BLOCK = 256
 # Launch shapes, guesses until measured (benchmarks/w4a16_kernels.py sweeps both and prints the best):
-PROGRAMS_PER_SM = 4  # programs wanted for a decode-sized product: several per SM keep loads in flight
+PROGRAMS_PER_SM = 8  # programs wanted for a decode-sized product: several per SM keep enough loads in flight
 # (most rows, BLOCK_M, BLOCK_N, num_warps): the first entry whose most rows is >= M (None: any); tl.dot needs 16 rows.
-TILES = [(16, 16, 64, 4), (32, 32, 64, 4), (64, 64, 64, 4), (None, 64, 128, 4)]
+TILES = [(16, 16, 64, 4), (32, 32, 64, 4), (64, 64, 32, 4), (None, 64, 128, 4)]
+PARTIAL_SHARE = 0.25  # the float32 partials' traffic allowed, as a share of the weight's bytes
 
 
 def tile_config(m: int) -> tuple[int, int, int]:
@@ -96,10 +97,13 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def split_plan(tiles: int, blocks: int, device: torch.device) -> tuple[int, int]:
+def split_plan(tiles: int, blocks: int, m: int, device: torch.device) -> tuple[int, int]:
     """(splits, blocks per split) of `blocks` input blocks so that tiles x splits fills the GPU: the most splits,
-    up to that, that divide the blocks evenly (no split runs short, so the kernel needs no bound of its own)."""
-    wanted = max(1, min(blocks, _sm_count(device.index or 0) * PROGRAMS_PER_SM // tiles))
+    up to that, that divide the blocks evenly (no split runs short, so the kernel needs no bound of its own).
+    The float32 partials (written and read: 8 bytes per split, row and column) stay within PARTIAL_SHARE of the
+    weight's bytes (64 per column and block): at most 8 * PARTIAL_SHARE * blocks / m splits."""
+    wanted = _sm_count(device.index or 0) * PROGRAMS_PER_SM // tiles
+    wanted = max(1, min(blocks, wanted, int(8 * PARTIAL_SHARE * blocks / m)))
     splits = max(d for d in range(1, wanted + 1) if blocks % d == 0)
     return splits, blocks // splits
 
@@ -114,7 +118,7 @@ def matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     block_m, block_n, warps = tile_config(m)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     blocks = k // PACK_BLOCK
-    splits, per_split = split_plan(tiles, blocks, x.device)
+    splits, per_split = split_plan(tiles, blocks, m, x.device)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     has_bias = bias is not None
     bias_arg = bias if has_bias else scales  # never read without a bias
