@@ -11,7 +11,7 @@ dequantized weight (relative to the output's largest value; bf16 rounding is ~4e
 (>= 2.5x bf16 at M = 1, no worse than bf16 at M = 64).
 
 Then (unless --no-sweep) a sweep of the Triton kernel's launch shapes (PROGRAMS_PER_SM x BLOCK_N of M's bucket x
-PARTIAL_SHARE), printing the best per M over a layer's total: set w4a16_triton's constants from it, and
+PARTIAL_SHARE x SPLIT_REDUCE), printing the best per M over a layer's total: set w4a16_triton's constants from it, and
 w4a16.KERNEL to the faster candidate.
 """
 
@@ -74,6 +74,7 @@ class Case:
                             * self.scales.float().repeat_interleave(group, 0)).t().to(DTYPE).contiguous()
         self.bf16 = self._copies([self.dequantized])
         self.triton = self._copies([pack_int4(q, w4a16_triton.PACK_BLOCK), self.scales, self.zeros])
+        self.counters = w4a16_triton.split_counters(device)  # shared by the copies: their calls run in turn
         try:
             self.tinygemm = self._copies(list(w4a16_tinygemm.pack(q, self.zeros, self.scales)))
             self.tinygemm_error = None
@@ -94,17 +95,17 @@ class Case:
         group = self.group
         out = {
             "bf16": (self.bf16, lambda x, w: F.linear(x, w)),
-            "triton": (self.triton, lambda x, qw, s, z: w4a16_triton.matmul(x, qw, s, z, group, None)),
+            "triton": (self.triton, lambda x, qw, s, z: w4a16_triton.matmul(x, qw, s, z, group, None, self.counters)),
         }
         if self.tinygemm is not None:
             out["tinygemm"] = (self.tinygemm, lambda x, p, sz: w4a16_tinygemm.matmul(x, p, sz, group, None))
         return out
 
 
-def measure(case: Case, m: int, name: str) -> dict:
+def measure(case: Case, m: int, name: str, target_ms: float = 30.0) -> dict:
     copies, fn = case.candidates()[name]
     x = torch.randn(m, case.k, device="cuda", dtype=DTYPE)
-    us = graph_time_us([lambda c=c: fn(x, *c) for c in copies])
+    us = graph_time_us([lambda c=c: fn(x, *c) for c in copies], target_ms)
     want = x.float() @ case.dequantized.float().t()
     error = ((fn(x, *copies[0]).float() - want).abs().max() / want.abs().max()).item()
     weight_bytes = Case.bytes_of(copies)
@@ -142,29 +143,34 @@ def table(results: dict, rows: list[int], names: list[str]) -> None:
 def sweep(cases: dict[str, Case], rows: list[int]) -> dict:
     """The Triton kernel's launch shapes: PROGRAMS_PER_SM x BLOCK_N of M's tile bucket, per M; the best by the
     layer's total time."""
-    saved = (w4a16_triton.PROGRAMS_PER_SM, list(w4a16_triton.TILES), w4a16_triton.PARTIAL_SHARE)
+    saved = (w4a16_triton.PROGRAMS_PER_SM, list(w4a16_triton.TILES), w4a16_triton.PARTIAL_SHARE,
+             w4a16_triton.SPLIT_REDUCE)
     best = {}
     print("Triton launch-shape sweep (layer total us, the three fastest per M; * = best):")
-    print("| M | PROGRAMS_PER_SM | BLOCK_N | PARTIAL_SHARE | layer us |")
-    print("|---|---|---|---|---|")
+    print("| M | PROGRAMS_PER_SM | BLOCK_N | PARTIAL_SHARE | SPLIT_REDUCE | layer us | max err |")
+    print("|---|---|---|---|---|---|---|")
     try:
         for m in rows:
             options = []
-            for programs, block_n, share in itertools.product((4, 8, 16), (32, 64, 128), (0.25, 1.0)):
+            for option in itertools.product((4, 8, 16), (32, 64, 128), (0.25, 1.0), ("in-kernel", "kernel")):
+                programs, block_n, share, reduce = option
                 w4a16_triton.PROGRAMS_PER_SM, w4a16_triton.PARTIAL_SHARE = programs, share
+                w4a16_triton.SPLIT_REDUCE = reduce
                 w4a16_triton.TILES = [(most, bm, block_n if (most is None or m <= most) else bn, warps)
                                       for most, bm, bn, warps in saved[1]]
-                total = sum(count * measure(cases[s], m, "triton")["us"] for s, _, _, count in SHAPES)
-                options.append((total, programs, block_n, share))
+                runs = [(count, measure(cases[s], m, "triton", target_ms=10.0)) for s, _, _, count in SHAPES]
+                total = sum(count * r["us"] for count, r in runs)
+                options.append((total, option, max(r["error"] for _, r in runs)))
             options.sort()
-            for option in options[:3]:  # the three fastest
-                total, programs, block_n, share = option
-                mark = " *" if option == options[0] else ""
-                print(f"| {m} | {programs} | {block_n} | {share} | {total:.1f}{mark} |")
-            total, programs, block_n, share = options[0]
-            best[m] = {"layer_us": total, "programs_per_sm": programs, "block_n": block_n, "partial_share": share}
+            for total, option, error in options[:3]:  # the three fastest
+                mark = " *" if option == options[0][1] else ""
+                print("| " + " | ".join(map(str, (m, *option))) + f" | {total:.1f}{mark} | {error:.1e} |")
+            total, (programs, block_n, share, reduce), error = options[0]
+            best[m] = {"layer_us": total, "programs_per_sm": programs, "block_n": block_n, "partial_share": share,
+                       "split_reduce": reduce, "error": error}
     finally:
-        w4a16_triton.PROGRAMS_PER_SM, w4a16_triton.TILES, w4a16_triton.PARTIAL_SHARE = saved
+        (w4a16_triton.PROGRAMS_PER_SM, w4a16_triton.TILES, w4a16_triton.PARTIAL_SHARE,
+         w4a16_triton.SPLIT_REDUCE) = saved
     print()
     print("best per M:", json.dumps(best))
     return best
@@ -183,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; groups of {args.group}, zero points; "
-          f"Triton PROGRAMS_PER_SM={w4a16_triton.PROGRAMS_PER_SM} TILES={w4a16_triton.TILES}")
+          f"Triton PROGRAMS_PER_SM={w4a16_triton.PROGRAMS_PER_SM} TILES={w4a16_triton.TILES} "
+          f"PARTIAL_SHARE={w4a16_triton.PARTIAL_SHARE} SPLIT_REDUCE={w4a16_triton.SPLIT_REDUCE}")
     cases = {shape: Case(k, n, args.group, device) for shape, k, n, _ in SHAPES}
     for shape, case in cases.items():
         if case.tinygemm_error:

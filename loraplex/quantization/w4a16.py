@@ -102,6 +102,12 @@ class W4A16Linear(QuantizedLinear):
             self.register_buffer("scale_and_zeros", tensors[1], persistent=False)
         else:
             self.register_buffer("qweight", pack_int4(q, self.pack_block), persistent=False)
+        counters = None
+        if self.kernel == "triton":
+            from loraplex.quantization import w4a16_triton
+
+            counters = w4a16_triton.split_counters(q.device)
+        self.register_buffer("split_counters", counters, persistent=False)
 
     def unpacked(self) -> torch.Tensor:
         """q [K, N] (uint8) in the kernel's feature order (act-order: sorted by group)."""
@@ -134,7 +140,8 @@ class W4A16Linear(QuantizedLinear):
         if self.kernel == "triton":
             from loraplex.quantization import w4a16_triton
 
-            out = w4a16_triton.matmul(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+            out = w4a16_triton.matmul(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
+                                      self.split_counters)
         elif self.kernel == "tinygemm":
             from loraplex.quantization import w4a16_tinygemm
 

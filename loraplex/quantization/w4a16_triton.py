@@ -7,9 +7,10 @@ or that makes the float 2^23 + q, minus 2^23 + zero, times scale: exact in float
 reference's cast rounds) and multiplies it by x's 16 matching columns on the tensor cores.
 
 Few rows (decode) read the weight once and do little arithmetic, so the input features are split across programs to
-keep every SM streaming weights; each split writes its own float32 partial and a second kernel adds them in a fixed
-order (no atomics: the same result every run), adds the bias and casts. Many rows (prefill) get enough programs
-from their tiles: one split, no partials. Shapes and splits depend only on M, N, K: CUDA-graph capturable.
+keep every SM streaming weights; each split writes its own float32 partial, and the partials are added in a fixed
+order (the same result every run), with the bias, then cast: by the tile's last split to finish, counted with an
+atomic (SPLIT_REDUCE "in-kernel"), or by a second kernel. Many rows (prefill) get enough programs from their
+tiles: one split, no partials. Shapes and splits depend only on M, N, K: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ PROGRAMS_PER_SM = 8  # programs wanted for a decode-sized product: several per S
 # (most rows, BLOCK_M, BLOCK_N, num_warps): the first entry whose most rows is >= M (None: any); tl.dot needs 16 rows.
 TILES = [(16, 16, 64, 4), (32, 32, 64, 4), (64, 64, 32, 4), (None, 64, 128, 4)]
 PARTIAL_SHARE = 0.25  # the float32 partials' traffic allowed, as a share of the weight's bytes
+# How a split product's partials are added: "in-kernel" (the last split of each tile adds them) or "kernel" (a
+# second launch, _sum_splits_kernel).
+SPLIT_REDUCE = "in-kernel"
+COUNTERS = 4096  # output tiles a layer's counters cover; a product with more (never split in practice) takes "kernel"
 
 
 def tile_config(m: int) -> tuple[int, int, int]:
@@ -38,10 +43,17 @@ def tile_config(m: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, M, N, stride_x, stride_out,
-                  blocks_per_split,
+def _finish(acc, bias_ptr, out_ptr, rows, cols, ok, col_ok, stride_out, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, partial_ptr, counters_ptr, M, N,
+                  stride_x, stride_out, blocks_per_split,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  PARTIAL: tl.constexpr):
+                  PARTIAL: tl.constexpr, REDUCE_HERE: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -64,12 +76,25 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, 
             x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + words)[None, :], mask=row_ok[:, None], other=0.0)
             acc += tl.dot(x, w.to(x.dtype))
     ok = row_ok[:, None] & col_ok[None, :]
-    if PARTIAL:  # float32 partial [splits, M, N]
-        tl.store(out_ptr + (split * M + rows)[:, None] * N + cols[None, :], acc, mask=ok)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+    if not PARTIAL:
+        _finish(acc, bias_ptr, out_ptr, rows, cols, ok, col_ok, stride_out, HAS_BIAS)
+    else:  # float32 partial [splits, M, N]
+        partial_at = partial_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(partial_at + split * M * N, acc, mask=ok)
+        if REDUCE_HERE:
+            # The tile's last split to arrive adds all the partials, in split order (the same sum every run), and
+            # resets the tile's counter for the next call. The barrier puts every thread's store before the
+            # release of the counter's increment; the second, every thread's loads after its acquire.
+            tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(2) - 1:
+                tl.debug_barrier()
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for other in range(0, tl.num_programs(2)):
+                    total += tl.load(partial_at + other * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+                _finish(total, bias_ptr, out_ptr, rows, cols, ok, col_ok, stride_out, HAS_BIAS)
+                tl.atomic_xchg(counters_ptr + tile, 0)
 
 
 @triton.jit
@@ -109,8 +134,11 @@ def split_plan(tiles: int, blocks: int, m: int, device: torch.device) -> tuple[i
 
 
 def matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-           bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] (float16/bfloat16) @ the dequantized weight.T + bias -> [M, N] in x's dtype."""
+           bias: torch.Tensor | None, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (float16/bfloat16) @ the dequantized weight.T + bias -> [M, N] in x's dtype.
+
+    `counters` (int32 zeros, one per output tile: `split_counters`) lets a split product add its partials in the
+    same kernel (SPLIT_REDUCE "in-kernel"); calls that share them must run one after another (one stream)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -123,15 +151,18 @@ def matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     has_bias = bias is not None
     bias_arg = bias if has_bias else scales  # never read without a bias
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)
-    if splits == 1:
-        _matmul[grid](x, qweight, scales, zeros, bias_arg, out, m, n, x.stride(0), out.stride(0), per_split,
-                      GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias, PARTIAL=False,
-                      num_warps=warps)
-        return out
-    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    _matmul[grid](x, qweight, scales, zeros, bias_arg, partial, m, n, x.stride(0), n, per_split,
-                  GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=False, PARTIAL=True,
-                  num_warps=warps)
-    _sum_splits[(m, triton.cdiv(n, REDUCE_BLOCK))](partial, bias_arg, out, m, n, out.stride(0), SPLITS=splits,
-                                                  BLOCK=REDUCE_BLOCK, HAS_BIAS=has_bias, num_warps=4)
+    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    reduce_here = (splits > 1 and SPLIT_REDUCE == "in-kernel" and counters is not None
+                   and counters.numel() >= tiles)
+    _matmul[grid](x, qweight, scales, zeros, bias_arg, out, partial, counters if reduce_here else qweight, m, n,
+                  x.stride(0), out.stride(0), per_split, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n,
+                  HAS_BIAS=has_bias, PARTIAL=splits > 1, REDUCE_HERE=reduce_here, num_warps=warps)
+    if splits > 1 and not reduce_here:
+        _sum_splits[(m, triton.cdiv(n, REDUCE_BLOCK))](partial, bias_arg, out, m, n, out.stride(0), SPLITS=splits,
+                                                      BLOCK=REDUCE_BLOCK, HAS_BIAS=has_bias, num_warps=4)
     return out
+
+
+def split_counters(device: torch.device) -> torch.Tensor:
+    """The tile counters a layer passes to `matmul` (enough for any split product: splits need few rows)."""
+    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)

@@ -17,7 +17,7 @@ from loraplex.lora.table import AdapterTable
 from loraplex.models.registry import config_from_hf
 from loraplex.params import SamplingParams
 from loraplex.quantization import dequantized_weight, weight_bytes
-from loraplex.quantization import w4a16
+from loraplex.quantization import w4a16, w4a16_triton
 from loraplex.quantization.checkpoint_format import checkpoint_format
 from loraplex.quantization.w4a16 import W4A16Linear
 from tests.helpers import engine_for, full_logits, tiny_hf_model
@@ -67,13 +67,16 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).abs().max() / want.abs().max().clamp(min=1e-6)).item()
 
 
-KERNEL_CASES = [("triton", torch.bfloat16), ("triton", torch.float16), ("tinygemm", torch.bfloat16)]
+KERNEL_CASES = [("triton", torch.bfloat16, "in-kernel"), ("triton", torch.float16, "in-kernel"),
+                ("triton", torch.bfloat16, "kernel"), ("tinygemm", torch.bfloat16, None)]
 
 
-@pytest.mark.parametrize("kernel, dtype", KERNEL_CASES)
+@pytest.mark.parametrize("kernel, dtype, split_reduce", KERNEL_CASES)
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("k, n", [(512, 1536), (1536, 512), (4096, 1024)])
-def test_kernel_matches_the_dequantized_reference(kernel, dtype, group, k, n):
+def test_kernel_matches_the_dequantized_reference(monkeypatch, kernel, dtype, split_reduce, group, k, n):
+    if split_reduce is not None:
+        monkeypatch.setattr(w4a16_triton, "SPLIT_REDUCE", split_reduce)
     layer = layer_for(kernel, k, n, group, dtype, bias=group == 64, act_order=group == 32)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     for m in (1, 7, 16, 33, 64, 300):
@@ -86,6 +89,16 @@ def test_kernel_matches_the_dequantized_reference(kernel, dtype, group, k, n):
         assert got.dtype == dtype and got.shape == (m, n)
         assert err <= limit, f"{kernel} {dtype} k={k} n={n} g={group} m={m}: relative error {err:.2e}"
     assert torch.equal(layer(x), layer(x)), "the same call twice must give the same result (no atomics)"
+
+
+def test_split_products_are_the_same_every_call():
+    """The in-kernel sum of split partials (an atomic counts the splits in) adds them in split order: a thousand
+    calls give one result, and the counters are back at zero after each."""
+    layer = layer_for("triton", 4096, 1024, 128, torch.bfloat16, bias=True)
+    x = torch.randn(1, 4096, device=DEVICE, dtype=torch.bfloat16)
+    first = layer(x)
+    outs = torch.stack([layer(x) for _ in range(1000)])
+    assert torch.equal(outs, first.expand_as(outs)) and int(layer.split_counters.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("kernel", ["triton", "tinygemm"])
