@@ -88,7 +88,7 @@ class W4A16Linear(QuantizedLinear):
             zeros, scales, group_size = zeros.repeat_interleave(repeat, 0), scales.repeat_interleave(repeat, 0), 128
         self.group_size = group_size
         self.pack_block = KERNEL_BLOCK if k % KERNEL_BLOCK == 0 else 8
-        self.register_buffer("perm", perm, persistent=False)
+        self.register_buffer("perm", perm.to(torch.int32) if perm is not None else None, persistent=False)
         self.register_buffer("scales", scales.to(dtype).contiguous(), persistent=False)
         # Integers up to 16 (GPTQ v1 stores zero - 1): exact in every float dtype.
         self.register_buffer("zeros", zeros.to(dtype).contiguous(), persistent=False)
@@ -135,14 +135,14 @@ class W4A16Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
-        if self.perm is not None:
-            x = x.index_select(1, self.perm)
-        if self.kernel == "triton":
+        if self.kernel == "triton":  # reads x through the permutation itself
             from loraplex.quantization import w4a16_triton
 
-            out = w4a16_triton.matmul(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
-                                      self.split_counters)
-        elif self.kernel == "tinygemm":
+            return w4a16_triton.matmul(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
+                                       self.split_counters, self.perm).reshape(*lead, self.out_features)
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        if self.kernel == "tinygemm":
             from loraplex.quantization import w4a16_tinygemm
 
             out = w4a16_tinygemm.matmul(x, self.int4pack, self.scale_and_zeros, self.group_size, self.bias)

@@ -50,10 +50,10 @@ def _finish(acc, bias_ptr, out_ptr, rows, cols, ok, col_ok, stride_out, HAS_BIAS
 
 
 @triton.jit
-def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, partial_ptr, counters_ptr, M, N,
-                  stride_x, stride_out, blocks_per_split,
-                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  PARTIAL: tl.constexpr, REDUCE_HERE: tl.constexpr):
+def _w4a16_kernel(x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, partial_ptr, counters_ptr,
+                  M, N, stride_x, stride_out, blocks_per_split,
+                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, REDUCE_HERE: tl.constexpr):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -73,7 +73,10 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, 
             # 0x4B000000 is 2^23 as a float32: or-ing q into its mantissa gives 2^23 + q without a conversion.
             q = ((packed >> (4 * j)) & 0xF) | 0x4B000000
             w = (q.to(tl.float32, bitcast=True) - zero[None, :]) * scale[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + words)[None, :], mask=row_ok[:, None], other=0.0)
+            features = k0 + words
+            if HAS_PERM:  # act-order: the kernel's feature i is x's column perm[i]
+                features = tl.load(perm_ptr + features)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + features[None, :], mask=row_ok[:, None], other=0.0)
             acc += tl.dot(x, w.to(x.dtype))
     ok = row_ok[:, None] & col_ok[None, :]
     if not PARTIAL:
@@ -134,8 +137,10 @@ def split_plan(tiles: int, blocks: int, m: int, device: torch.device) -> tuple[i
 
 
 def matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-           bias: torch.Tensor | None, counters: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (float16/bfloat16) @ the dequantized weight.T + bias -> [M, N] in x's dtype.
+           bias: torch.Tensor | None, counters: torch.Tensor | None = None,
+           perm: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (float16/bfloat16) @ the dequantized weight.T + bias -> [M, N] in x's dtype; with `perm` (int32
+    [K], act-order), the weight's input feature i multiplies x's column perm[i] (x is read through it).
 
     `counters` (int32 zeros, one per output tile: `split_counters`) lets a split product add its partials in the
     same kernel (SPLIT_REDUCE "in-kernel"); calls that share them must run one after another (one stream)."""
@@ -154,9 +159,10 @@ def matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     reduce_here = (splits > 1 and SPLIT_REDUCE == "in-kernel" and counters is not None
                    and counters.numel() >= tiles)
-    _matmul[grid](x, qweight, scales, zeros, bias_arg, out, partial, counters if reduce_here else qweight, m, n,
-                  x.stride(0), out.stride(0), per_split, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n,
-                  HAS_BIAS=has_bias, PARTIAL=splits > 1, REDUCE_HERE=reduce_here, num_warps=warps)
+    _matmul[grid](x, perm if perm is not None else qweight, qweight, scales, zeros, bias_arg, out, partial,
+                  counters if reduce_here else qweight, m, n, x.stride(0), out.stride(0), per_split,
+                  GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, HAS_PERM=perm is not None, HAS_BIAS=has_bias,
+                  PARTIAL=splits > 1, REDUCE_HERE=reduce_here, num_warps=warps)
     if splits > 1 and not reduce_here:
         _sum_splits[(m, triton.cdiv(n, REDUCE_BLOCK))](partial, bias_arg, out, m, n, out.stride(0), SPLITS=splits,
                                                       BLOCK=REDUCE_BLOCK, HAS_BIAS=has_bias, num_warps=4)
