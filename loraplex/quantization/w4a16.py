@@ -20,6 +20,7 @@ kernel cannot take the layer, dequantize-then-matmul.
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from loraplex.kernels import triton_available
@@ -108,6 +109,20 @@ class W4A16Linear(QuantizedLinear):
 
             counters = w4a16_triton.split_counters(q.device)
         self.register_buffer("split_counters", counters, persistent=False)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, group_size: int = 128, symmetric: bool = False,
+                   device: torch.device | None = None, dtype: torch.dtype | None = None) -> "W4A16Linear":
+        """A float linear rounded to 4 bits (round-to-nearest, `quantize_groups`): for benchmarks and tests of
+        shapes no checkpoint is at hand for (checkpoints come quantized by GPTQ or AWQ, which round better)."""
+        weight = linear.weight.detach()
+        device = weight.device if device is None else torch.device(device)
+        dtype = weight.dtype if dtype is None else dtype
+        q, zeros, scales = quantize_groups(weight.to(device), group_size, symmetric)
+        layer = cls(q, zeros, scales, group_size, None, linear.bias is not None, device, dtype)
+        if linear.bias is not None:
+            layer.bias.data.copy_(linear.bias.detach())
+        return layer
 
     def unpacked(self) -> torch.Tensor:
         """q [K, N] (uint8) in the kernel's feature order (act-order: sorted by group)."""

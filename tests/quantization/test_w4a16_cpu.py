@@ -189,3 +189,13 @@ def test_packing_matches_compressed_tensors_and_round_trips():
     awq = ckpt.pack_nibbles(q, 1, ckpt.AWQ_ORDER)
     assert all(((int(awq[k, c // 8]) >> (4 * ckpt.AWQ_ORDER.index(c % 8))) & 0xF) == int(q[k, c])
                for k, c in [(0, 1), (5, 14), (200, 39)])
+
+
+def test_from_float_rounds_a_linear_to_4_bits():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 48, bias=True)
+    layer = W4A16Linear.from_float(linear, 64)
+    steps = (linear.weight - layer.dequantized()).abs() / layer.scales.float().repeat_interleave(64, 0).t()
+    assert steps.max() <= 1.0 and steps.mean() < 0.3 and torch.equal(layer.bias, linear.bias)  # edges may clamp
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(layer(x), x @ layer.dequantized().t() + linear.bias)
