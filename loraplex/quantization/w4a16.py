@@ -90,7 +90,10 @@ class W4A16Linear(QuantizedLinear):
         self.group_size = group_size
         self.pack_block = KERNEL_BLOCK if k % KERNEL_BLOCK == 0 else 8
         self.register_buffer("perm", perm.to(torch.int32) if perm is not None else None, persistent=False)
-        self.register_buffer("scales", scales.to(dtype).contiguous(), persistent=False)
+        # Scales keep a 16-bit stored dtype (GPTQ's and AWQ's fp16 in a bf16 model: dequantized() stays exact; the
+        # kernels read them as float32); other dtypes take the compute dtype.
+        scale_dtype = scales.dtype if scales.dtype in (torch.float16, torch.bfloat16) else dtype
+        self.register_buffer("scales", scales.to(scale_dtype).contiguous(), persistent=False)
         # Integers up to 16 (GPTQ v1 stores zero - 1): exact in every float dtype.
         self.register_buffer("zeros", zeros.to(dtype).contiguous(), persistent=False)
         self.kernel = _kernel_for(self, q.device, dtype)

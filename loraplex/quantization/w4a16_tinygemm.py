@@ -1,9 +1,10 @@
 """The W4A16 product through PyTorch core's tinygemm (`aten._weight_int4pack_mm`, CUDA, bfloat16, groups of 32 to
 256), a candidate the benchmark (benchmarks/w4a16_kernels.py) measures against our Triton kernel.
 
-tinygemm dequantizes w = (q - 8) * scale + zero with a float zero, so an integer zero point z becomes
-zero = (8 - z) * scale, rounded to bfloat16: exact for symmetric checkpoints (z = 8), otherwise off by at most half a
-bfloat16 ulp of |zero| (<= 8 * scale * 2^-9, a sixty-fourth of a quantization step) from the checkpoint's weight.
+tinygemm dequantizes w = (q - 8) * scale + zero with a float zero, both bfloat16, so an integer zero point z
+becomes zero = (8 - z) * scale, rounded: exact for symmetric checkpoints (z = 8), otherwise off by at most half a
+bfloat16 ulp of |zero| (<= 8 * scale * 2^-9, a sixty-fourth of a quantization step) from the checkpoint's weight;
+fp16 scales (GPTQ, AWQ) are rounded to bfloat16 too (2^-9 relative).
 
 Its packed weight is opaque; `unpack` reads q back through the kernel itself (scale 1 and zero 8 give q exactly).
 """

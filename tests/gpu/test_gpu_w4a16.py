@@ -16,7 +16,7 @@ from loraplex.engine.loading import build_model
 from loraplex.lora.table import AdapterTable
 from loraplex.models.registry import config_from_hf
 from loraplex.params import SamplingParams
-from loraplex.quantization import dequantized_weight, weight_bytes
+from loraplex.quantization import weight_bytes
 from loraplex.quantization import w4a16, w4a16_triton
 from loraplex.quantization.checkpoint_format import checkpoint_format
 from loraplex.quantization.w4a16 import W4A16Linear
@@ -179,4 +179,3 @@ def test_gptq_model_on_cuda_with_lora_under_cuda_graphs(saved, tmp_path):
     # near-tie may break differently late in a sequence; first tokens agree.
     assert sum(t == s for t, s in zip(together, solo)) >= len(ps) - 2, (together, solo)
     assert all(t[0] == s[0] for t, s in zip(together, solo)), (together, solo)
-    assert all(torch.equal(dequantized_weight(m), m.dequantized()) for m in layers[:2])
