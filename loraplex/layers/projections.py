@@ -39,7 +39,7 @@ class LinearWrapper(nn.Module):
 
 @dataclass(frozen=True)
 class FusedWeights:
-    weight: torch.Tensor  # [sum of out_features, in_features]; each sibling's weight is a view of it
+    weight: torch.Tensor  # [sum of out_features, in_features], each sibling's weight a view of it (a fused layer: its `_anchor`)
     bias: torch.Tensor | None
     sizes: tuple[int, ...]  # each sibling's out_features, in order
     layer: nn.Module | None = None  # the siblings' fused layer, where they keep their own product (quantized)
@@ -54,7 +54,7 @@ def project(owner: nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> tuple[
     linears = [getattr(owner, name) for name in names]
     fused = owner.__dict__.get("fused_projections", {}).get(names)
     # Stale when the module's parameters were replaced since (`model.to(...)` copies each on its own).
-    if fused is None or _inner(linears[0]).weight.data_ptr() != fused.weight.data_ptr():
+    if fused is None or _anchor(_inner(linears[0])).data_ptr() != fused.weight.data_ptr():
         return tuple(linear(x) for linear in linears)
     product = lambda: fused.product(x)  # noqa: E731
     first = linears[0]
@@ -85,7 +85,13 @@ def _fused_layer(owner: nn.Module, names: tuple[str, ...]) -> FusedWeights | Non
     if fuse is None or any(type(linear) is not type(linears[0]) for linear in linears):
         return None
     layer = fuse(linears)
-    return None if layer is None else FusedWeights(layer.weight, None, tuple(l.out_features for l in linears), layer)
+    return None if layer is None else FusedWeights(_anchor(layer), None, tuple(l.out_features for l in linears), layer)
+
+
+def _anchor(linear: nn.Module) -> torch.Tensor:
+    """The tensor whose storage a fused group's siblings share (their weight; a layer that keeps its weight in
+    another form names it `fused_anchor`): a sibling whose anchor is elsewhere was replaced since the fusion."""
+    return getattr(linear, "fused_anchor", None) if getattr(linear, "weight", None) is None else linear.weight
 
 
 def fuse_projections(model: nn.Module) -> int:

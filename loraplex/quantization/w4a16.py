@@ -127,6 +127,43 @@ class W4A16Linear(QuantizedLinear):
             layer.bias.data.copy_(linear.bias.detach())
         return layer
 
+    @property
+    def fused_anchor(self) -> torch.Tensor | None:
+        """The tensor whose storage tells fused siblings' tensors apart from replaced ones (layers/projections.py)."""
+        return self.qweight
+
+    @classmethod
+    def fuse_siblings(cls, linears: list[nn.Module]) -> "W4A16Linear | None":
+        """One layer computing `linears` (siblings reading one input) in one product, their outputs concatenated
+        in order; each sibling's tensors become column views of the fused layer's (no second copy). None when they
+        cannot fuse: another kind, groups or dtypes that differ, act-order (each sibling sorts its inputs its own
+        way), or tinygemm's packing (not sliceable by columns)."""
+        first = linears[0]
+        if not all(type(linear) is cls for linear in linears) or first.kernel == "tinygemm":
+            return None
+        if len({(lin.in_features, lin.group_size, lin.pack_block, lin.kernel, lin.perm is None, lin.bias is None,
+                 lin.scales.dtype, lin.zeros.dtype, lin.qweight.device) for lin in linears}) != 1 or first.perm is not None:
+            return None
+        fused = cls.__new__(cls)
+        QuantizedLinear.__init__(fused, first.in_features, sum(lin.out_features for lin in linears), False)
+        fused.group_size, fused.pack_block, fused.kernel = first.group_size, first.pack_block, first.kernel
+        with torch.no_grad():
+            for name in ("qweight", "scales", "zeros"):
+                fused.register_buffer(name, torch.cat([getattr(lin, name) for lin in linears], dim=1), persistent=False)
+            bias = None if first.bias is None else torch.cat([lin.bias for lin in linears])
+        fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        fused.register_buffer("perm", None, persistent=False)
+        fused.register_buffer("split_counters", first.split_counters, persistent=False)  # zero between launches
+        start = 0
+        for linear in linears:
+            cols = slice(start, start + linear.out_features)
+            for name in ("qweight", "scales", "zeros"):
+                setattr(linear, name, getattr(fused, name)[:, cols])
+            if bias is not None:
+                linear.bias = nn.Parameter(fused.bias[cols], requires_grad=False)
+            start += linear.out_features
+        return fused
+
     def unpacked(self) -> torch.Tensor:
         """q [K, N] (uint8) in the kernel's feature order (act-order: sorted by group)."""
         if self.qweight is None:

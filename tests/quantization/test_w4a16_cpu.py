@@ -199,3 +199,50 @@ def test_from_float_rounds_a_linear_to_4_bits():
     assert steps.max() <= 1.0 and steps.mean() < 0.3 and torch.equal(layer.bias, linear.bias)  # edges may clamp
     x = torch.randn(3, 256)
     torch.testing.assert_close(layer(x), x @ layer.dequantized().t() + linear.bias)
+
+
+class _Siblings(torch.nn.Module):
+    SIBLINGS = (("q", "k", "v"),)
+
+    def __init__(self, bias: bool, act_order_k: bool = False) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        layers = []
+        for n in (128, 64, 64):
+            linear = torch.nn.Linear(128, n, bias=bias)
+            with torch.no_grad():
+                linear.weight.copy_(torch.randn(n, 128, generator=gen) / 12)
+            layers.append(W4A16Linear.from_float(linear, 32))
+        self.q, self.k, self.v = layers
+        if act_order_k:  # a sibling whose inputs are sorted its own way cannot share one product
+            q, zeros, scales = self.k.unpacked(), self.k.zeros, self.k.scales
+            g_idx = torch.randperm(128, generator=gen) // 32
+            self.k = W4A16Linear(q, zeros, scales, 32, g_idx.to(torch.int32), bias, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_w4a16_siblings_fuse_into_one_product_over_views(bias):
+    from loraplex.layers.projections import fuse_projections, project
+    from loraplex.lora.layers import wrap_linears
+
+    owner = _Siblings(bias)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4))
+    alone = [getattr(owner, n)(x) for n in "qkv"]
+    weights = [getattr(owner, n).dequantized() for n in "qkv"]
+    wrap_linears(owner)
+    assert fuse_projections(owner) == 1
+    fused = owner.fused_projections[("q", "k", "v")]
+    assert isinstance(fused.layer, W4A16Linear) and fused.sizes == (128, 64, 64)
+    assert owner.v.base.qweight.data_ptr() == fused.layer.qweight[:, 192:].data_ptr()  # views, no second copy
+    for got, want in zip(project(owner, x, ("q", "k", "v")), alone):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name, weight in zip("qkv", weights):
+        assert torch.equal(getattr(owner, name).base.dequantized(), weight)
+
+
+def test_act_order_siblings_stay_apart():
+    from loraplex.layers.projections import fuse_projections
+
+    owner = _Siblings(False, act_order_k=True)
+    assert owner.k.perm is not None
+    assert fuse_projections(owner) == 0
