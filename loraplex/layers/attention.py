@@ -12,9 +12,6 @@ their own request's cross-attention states, which live in KV blocks of the same 
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -25,6 +22,7 @@ from loraplex.environment import torch_attention_forced
 from loraplex.layers.forward_context import AttentionMetadata, get_forward_context
 from loraplex.layers.kernels import fused_kernels_wanted
 from loraplex.layers.masks import visible_keys
+from loraplex.layers.prefill_runs import fresh_prompts, put_rows, resumed_prompts
 
 
 class AttentionBackend(Protocol):
@@ -349,18 +347,18 @@ class TritonAttentionBackend(TorchAttentionBackend):
         if not seqs or layer.has_score_bias or not varlen_usable(q, layer.num_kv_heads):
             return super()._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, seqs, out)
         window = layer.sliding_window
-        fresh = _fresh_prompts(md, q.device)
+        fresh = fresh_prompts(md, q.device)
         if fresh is not None:
             rows, cu = fresh.rows, fresh.cu_seqlens
-            _put(out, rows, causal_varlen(q[rows], k[rows], v[rows], cu, cu, fresh.max_len, fresh.max_len,
+            put_rows(out, rows, causal_varlen(q[rows], k[rows], v[rows], cu, cu, fresh.max_len, fresh.max_len,
                                           layer.scale, window))
         others = fresh.others if fresh is not None else list(seqs)
         if others and resumed_varlen_usable(q, layer.num_kv_heads):
-            resumed = _resumed_prompts(md, others, key_cache.shape[1], q.device)
+            resumed = resumed_prompts(md, others, key_cache.shape[1], q.device)
             num_kv_heads, head_dim = key_cache.shape[2:]
             keys = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, resumed.key_slots)
             values = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, resumed.key_slots)
-            _put(out, resumed.rows, causal_varlen(q[resumed.rows], keys, values, resumed.cu_seqlens_q,
+            put_rows(out, resumed.rows, causal_varlen(q[resumed.rows], keys, values, resumed.cu_seqlens_q,
                                                   resumed.cu_seqlens_k, resumed.max_len_q, resumed.max_len_k,
                                                   layer.scale, window))
             others = []
@@ -376,87 +374,6 @@ class TritonAttentionBackend(TorchAttentionBackend):
         tables = md.block_tables if group.in_order else md.block_tables[group.seqs]
         return paged_decode(q, key_cache, value_cache, tables, group.seq_lens,
                             layer.scale, layer.sliding_window, slopes, group.max_len)
-
-
-@dataclass(frozen=True)
-class _FreshPrompts:
-    """The step's prompts with nothing cached before them: their rows (a slice when contiguous, else an index),
-    their offsets within those rows (int32, on the device) and longest length; `others`: the other prefill
-    sequences."""
-
-    rows: slice | torch.Tensor
-    cu_seqlens: torch.Tensor
-    max_len: int
-    others: list[int]
-
-
-@dataclass(frozen=True)
-class _ResumedPrompts:
-    """Prefill sequences over cached context: their new rows (as `_FreshPrompts.rows`), every key's flat cache slot
-    (sequence after sequence, each from its first position: context, then the new rows, which the layer wrote
-    before attending), and the offsets (int32, on the device) and longest lengths of their queries and keys."""
-
-    rows: slice | torch.Tensor
-    key_slots: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_len_q: int
-    max_len_k: int
-
-
-def _fresh_prompts(md: AttentionMetadata, device: torch.device) -> _FreshPrompts | None:
-    """Computed once per step (every layer shares it); None when no prompt is fresh."""
-    if "fresh prompts" not in md.step_cache:
-        starts, lens, fresh, others = md.query_start_loc, md.seq_lens, [], []
-        for s in md.prefill_seqs:
-            (fresh if lens[s] == starts[s + 1] - starts[s] else others).append(s)
-        found = None
-        if fresh:
-            cu_seqlens = torch.tensor(_offsets([lens[s] for s in fresh]), dtype=torch.int32, device=device)
-            found = _FreshPrompts(_rows_of(md, fresh, device), cu_seqlens, max(lens[s] for s in fresh), others)
-        md.step_cache["fresh prompts"] = found
-    return md.step_cache["fresh prompts"]
-
-
-def _resumed_prompts(md: AttentionMetadata, seqs: list[int], block_size: int, device: torch.device) -> _ResumedPrompts:
-    """Computed once per step, for `seqs` (the same for every layer)."""
-    if "resumed prompts" not in md.step_cache:
-        starts, lens = md.query_start_loc, md.seq_lens
-        new = [starts[s + 1] - starts[s] for s in seqs]
-        total = [lens[s] for s in seqs]
-        cu_q, cu_k = _offsets(new), _offsets(total)
-        n = len(seqs)
-        # Key j of the run is position j - cu_k[i] of sequence i, in block position // block_size of its table.
-        # (Each list reaches the device in one copy.)
-        seq_ids, per_key, first_key = torch.tensor([*seqs, *total, *cu_k[:-1]], device=device).split(n)
-        keys = cu_k[-1]
-        position = torch.arange(keys, device=device) - first_key.repeat_interleave(per_key, output_size=keys)
-        seq_of_key = seq_ids.repeat_interleave(per_key, output_size=keys)
-        key_slots = md.block_tables[seq_of_key, position // block_size] * block_size + position % block_size
-        cu_seqlens_q, cu_seqlens_k = torch.tensor(cu_q + cu_k, dtype=torch.int32, device=device).split(n + 1)
-        md.step_cache["resumed prompts"] = _ResumedPrompts(
-            _rows_of(md, seqs, device), key_slots, cu_seqlens_q, cu_seqlens_k, max(new), max(total))
-    return md.step_cache["resumed prompts"]
-
-
-def _offsets(lengths: list[int]) -> list[int]:
-    """[0, l0, l0 + l1, ...]"""
-    return list(itertools.accumulate(lengths, initial=0))
-
-
-def _rows_of(md: AttentionMetadata, seqs: list[int], device: torch.device) -> slice | torch.Tensor:
-    """The step's rows of `seqs` (in order): one slice when they are contiguous, else an index."""
-    starts = md.query_start_loc
-    if all(starts[b] == starts[a + 1] for a, b in zip(seqs, seqs[1:])):
-        return slice(starts[seqs[0]], starts[seqs[-1] + 1])
-    return torch.tensor([r for s in seqs for r in range(starts[s], starts[s + 1])], device=device)
-
-
-def _put(out: torch.Tensor, rows: slice | torch.Tensor, attended: torch.Tensor) -> None:
-    if isinstance(rows, slice):
-        out[rows] = attended
-    else:
-        out.index_copy_(0, rows, attended)
 
 
 def default_backend(device: torch.device) -> AttentionBackend:
