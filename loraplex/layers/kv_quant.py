@@ -9,7 +9,7 @@ tensors allocated with the cache and only ever updated in place, so CUDA graphs 
 current ones.
 
 Every reader sees a key as the cache returns it: a prompt attending to its own new keys first rounds them as the
-cache stores them (`as_cached`), so a prompt computed at once, in chunks, or over a prefix-cache hit sees the same
+cache stores them (`kv_as_cached`), so a prompt computed at once, in chunks, or over a prefix-cache hit sees the same
 keys.
 """
 
@@ -20,9 +20,10 @@ from typing import Mapping, NamedTuple, Sequence
 
 import torch
 
+from loraplex.config import KV_CACHE_DTYPES
+
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
-KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 class KVCacheDtypeError(ValueError):
@@ -76,9 +77,20 @@ def dequantize(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (stored.to(torch.float32) * scale[:, None]).to(dtype)
 
 
-def as_cached(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """x as a reader of the cache gets it back (x itself for a cache in the model's dtype)."""
-    return x if scale is None else dequantize(quantize(x, scale), scale, x.dtype)
+def kv_as_cached(k: torch.Tensor, v: torch.Tensor, scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """New keys and values as a reader of the cache gets them back (themselves for a cache in the model's dtype)."""
+    if scales is None:
+        return k, v
+    return (dequantize(quantize(k, scales[0]), scales[0], k.dtype),
+            dequantize(quantize(v, scales[1]), scales[1], v.dtype))
+
+
+def read_kv(keys: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None,
+            dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values read from the cache, in `dtype` (as they are for a cache in the model's dtype)."""
+    if scales is None:
+        return keys, values
+    return dequantize(keys, scales[0], dtype), dequantize(values, scales[1], dtype)
 
 
 def as_bytes(cache: torch.Tensor) -> torch.Tensor:
