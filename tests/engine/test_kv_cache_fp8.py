@@ -23,7 +23,9 @@ from loraplex.layers.attention import TorchAttentionBackend
 from loraplex.layers.forward_context import ForwardContext, forward_context
 from loraplex.layers.kv_quant import FP8_KV_DTYPE, KVCacheDtypeError, resolve_kv_cache_dtype, set_kv_scales
 from loraplex.params import SamplingParams
-from tests.helpers import encoder_decoder_logits, engine_for, greedy_tokens, load_ours, ours_from_hf, tiny_hf_model, tiny_t5
+from tests.helpers import (encoder_decoder_logits, engine_for, greedy_tokens, image_model_logits, load_ours,
+                           ours_from_hf, tiny_hf_model, tiny_t5)
+from tests.mllama_fixtures import pictures, request_inputs, tiny_pair
 
 FP8 = FP8_KV_DTYPE
 # e4m3 keeps 3 mantissa bits (a relative error up to 1/16 per stored value): the logits of these tiny models move
@@ -106,6 +108,15 @@ def test_t5_self_and_cross_attention_over_an_fp8_cache(t5):
         expected = encoder_decoder_logits(ours, config, encoder_ids, decoder_ids)
         got = encoder_decoder_logits(ours, config, encoder_ids, decoder_ids, kv_cache_dtype=FP8)
         assert_close_logits(got, expected)
+
+
+def test_mllama_image_states_in_an_fp8_state_pool(tmp_path):
+    _, processor, model, config = tiny_pair(tmp_path)
+    token_ids, images = request_inputs(processor, "<|image|>A picture of", pictures([(40, 60)], seed=0))
+    expected = image_model_logits(engine_for(model, config), token_ids, images)
+    engine = engine_for(model, config, kv_cache_dtype="fp8")
+    assert all(engine.runner.kv_caches[i].keys.dtype == FP8 for i in engine.runner.state_layers)
+    assert_close_logits(image_model_logits(engine, token_ids, images), expected)
 
 
 @pytest.mark.parametrize("family", ["llama", "t5"])
