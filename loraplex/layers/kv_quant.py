@@ -101,7 +101,8 @@ def as_bytes(cache: torch.Tensor) -> torch.Tensor:
 def set_kv_scales(kv_caches: Sequence[LayerKVCache], scales: Mapping[int, tuple]) -> None:
     """{layer index: (k_scale, v_scale)}: each a positive finite float, or a float32 tensor of one value or one per
     KV head (a checkpoint's `self_attn.k_scale` / `v_scale`). Copied into the layers' scale tensors in place
-    (graphs already captured read them); layers not named keep theirs. Only an FP8 cache has scales."""
+    (graphs already captured read them); layers not named keep theirs. Only an FP8 cache has scales. Set them before
+    serving: blocks already written (prefix-cached ones too) hold values stored with the old scales."""
     for index, (k_scale, v_scale) in scales.items():
         if not 0 <= index < len(kv_caches):
             raise ValueError(f"KV scales for layer {index}: the model has {len(kv_caches)} attention layers")
