@@ -158,6 +158,17 @@ def test_a_prefix_cache_hit_over_an_fp8_cache_gives_the_tokens_of_a_miss(llama):
     assert hits == misses
 
 
+def test_preempted_requests_recompute_into_an_fp8_cache_with_unchanged_tokens(llama):
+    ours, config = llama
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (30, 25, 20, 28)]
+    roomy = greedy_tokens(engine_for(ours, config, kv_cache_dtype="fp8"), prompts, 12)
+    tight = engine_for(ours, config, kv_cache_dtype="fp8", max_batch_total_tokens=112, max_total_tokens=64,
+                       prefix_caching=False)
+    assert greedy_tokens(tight, prompts, 12) == roomy
+    assert tight.scheduler.num_preemptions > 0, "the test meant to force a preemption"
+
+
 def test_scales_change_the_stored_bytes_not_the_logits(llama):
     ours, config = llama
     rng = random.Random(4)
