@@ -26,9 +26,9 @@ def _write_kv_kernel(k_ptr, v_ptr, slots_ptr, key_cache_ptr, value_cache_ptr, kv
     cached = slot * (HEADS * DIM) + heads * DIM + dims  # the cache is dense: [slots, heads, dim]
     k = tl.load(k_ptr + row * stride_kt + heads * stride_kh + dims, mask=ok)
     v = tl.load(v_ptr + row * stride_vt + heads * stride_vh + dims, mask=ok)
-    if FP8:  # kv_scales [2, HEADS]: the keys' row, then the values'
-        k = _to_fp8(k, tl.load(kv_scales_ptr + heads, mask=heads < HEADS, other=1.0), FP8_LIMIT)
-        v = _to_fp8(v, tl.load(kv_scales_ptr + HEADS + heads, mask=heads < HEADS, other=1.0), FP8_LIMIT)
+    if FP8:  # kv_scales [2, HEADS]: the keys' row, then the values' (loaded as wide as k: div_rn does not broadcast)
+        k = _to_fp8(k, tl.load(kv_scales_ptr + heads + 0 * dims, mask=ok, other=1.0), FP8_LIMIT)
+        v = _to_fp8(v, tl.load(kv_scales_ptr + HEADS + heads + 0 * dims, mask=ok, other=1.0), FP8_LIMIT)
     tl.store(key_cache_ptr + cached, k, mask=ok)
     tl.store(value_cache_ptr + cached, v, mask=ok)
 
