@@ -125,11 +125,18 @@ def test_engine_with_an_fp8_cache_under_graphs_batch_equals_solo_and_eager(kind,
     ours, config = model_of(kind, tmp_path, dtype)
     graphed = engine_for(ours, config, device=DEVICE, dtype=dtype, kv_cache_dtype="fp8")
     assert graphed.runner.kv_caches[0].keys.dtype == FP8
-    batch = prompts(6, min(config.vocab_size, 300), seed=1)
+    batch = prompts(8, min(config.vocab_size, 300), seed=1)
     together = tokens(graphed, batch)
-    assert together == [tokens(graphed, [p])[0] for p in batch]
+    solo = [tokens(graphed, [p])[0] for p in batch]
     eager = engine_for(ours, config, device=DEVICE, dtype=dtype, kv_cache_dtype="fp8", cuda_graphs=False)
-    assert tokens(eager, batch) == together
+    without = tokens(eager, batch)
+    if dtype == torch.float32:
+        assert together == solo == without
+    else:  # as tests/gpu/test_gpu_decode_graphs.py: fused kernels reduce in another order, a near tie may flip
+        for other in (solo, without):
+            first = sum(a[0] == b[0] for a, b in zip(together, other))
+            same = sum(a == b for a, b in zip(together, other))
+            assert first == len(batch) and same >= 0.6 * len(batch), f"{first} first tokens, {same} sequences agree"
     if graphed.runner.decode_graphs is not None:  # decoder-only families
         assert graphed.runner.decode_graphs.num_captured >= 1
 
