@@ -320,7 +320,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ready = (
         f"loraplex ready: {engine.model_id} on {engine.device} ({str(engine.dtype).removeprefix('torch.')}"
         f"{', quantized ' + args.quantize if args.quantize else ''}), "
-        f"KV cache {engine.kv_capacity_tokens} tokens ({str(engine.kv_cache_dtype).removeprefix('torch.')}), http://{args.hostname}:{args.port}"
+        f"KV cache {engine.kv_capacity_tokens} tokens ({str(engine.kv_cache_dtype).removeprefix('torch.')}), "
+        f"http://{args.hostname}:{args.port}"
     )
     if args.json_output:
         logger.info(ready)
