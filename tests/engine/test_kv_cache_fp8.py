@@ -1,6 +1,6 @@
 """The FP8 KV cache (`--kv-cache-dtype fp8`, layers/kv_quant.py) on the CPU's torch path, which CI runs: logits close
 to those over a float cache (prefill and decode steps reading every key back from the cache; T5's cross-attention
-states too), greedy tokens equal wherever the float cache's choice is not a near tie, twice the blocks of a bfloat16
+states, Mllama's image states, LLaVA's image tokens too), greedy tokens equal wherever the float cache's choice is not a near tie, twice the blocks of a bfloat16
 cache for the same memory, prefix-cache hits that give the tokens of a miss, and scales that change what is stored
 but not the logits."""
 
@@ -117,6 +117,17 @@ def test_mllama_image_states_in_an_fp8_state_pool(tmp_path):
     engine = engine_for(model, config, kv_cache_dtype="fp8")
     assert all(engine.runner.kv_caches[i].keys.dtype == FP8 for i in engine.runner.state_layers)
     assert_close_logits(image_model_logits(engine, token_ids, images), expected)
+
+
+def test_llava_image_tokens_through_an_fp8_cache(tmp_path):
+    from loraplex.multimodal.image_inputs import ImageInputs
+    from tests.models.test_llava_next_parity import IMAGE_TOKEN, TALL, image, inputs, processor, saved, tiny_llava
+
+    model, config = saved(tiny_llava(seed=0), tmp_path)
+    ids, pixel_values, sizes = inputs(processor(), "w5 w17 <image> w3 w99 w42", [image(TALL, 0)])
+    images = ImageInputs.for_prompt(ids, pixel_values, sizes, IMAGE_TOKEN)
+    expected = image_model_logits(engine_for(model, config), ids, images)
+    assert_close_logits(image_model_logits(engine_for(model, config, kv_cache_dtype="fp8"), ids, images), expected)
 
 
 @pytest.mark.parametrize("family", ["llama", "t5"])
