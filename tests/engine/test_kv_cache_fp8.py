@@ -180,6 +180,17 @@ def test_preempted_requests_recompute_into_an_fp8_cache_with_unchanged_tokens(ll
     assert tight.scheduler.num_preemptions > 0, "the test meant to force a preemption"
 
 
+def test_speculative_drafts_over_an_fp8_cache_give_the_tokens_without_drafts(llama):
+    from tests.engine.test_speculative_tiny import repetitive_prompts
+
+    ours, config = llama
+    prompts = repetitive_prompts(256, [7, 30, 13, 21])
+    want = greedy_tokens(engine_for(ours, config, kv_cache_dtype="fp8"), prompts, 16)
+    engine = engine_for(ours, config, kv_cache_dtype="fp8", speculative_tokens=4, block_size=8)
+    assert greedy_tokens(engine, prompts, 16) == want
+    assert engine.spec_decode.accepted_tokens > 0
+
+
 def test_scales_change_the_stored_bytes_not_the_logits(llama):
     ours, config = llama
     rng = random.Random(4)
