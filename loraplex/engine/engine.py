@@ -117,11 +117,12 @@ class Engine:
         """Run made-up requests through the idle engine before the first real one (engine/warm_up.py)."""
         return warm_up(self)
 
-    # ---- capacity ---------------------------------------------------------------------------------
-
     def set_kv_scales(self, scales) -> None:
-        """An FP8 KV cache's calibrated scales, {layer index: (k_scale, v_scale)} (layers/kv_quant.py)."""
+        """An FP8 KV cache's calibrated scales, {layer index: (k_scale, v_scale)} (layers/kv_quant.py), before the
+        first request (ValueError when the cache is not FP8)."""
         self.runner.set_kv_scales(scales)
+
+    # ---- capacity ---------------------------------------------------------------------------------
 
     @property
     def kv_capacity_tokens(self) -> int:
