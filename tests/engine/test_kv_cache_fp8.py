@@ -238,3 +238,28 @@ def test_the_cache_dtype_resolves_or_is_refused_in_one_line():
     assert resolve_kv_cache_dtype("fp8", torch.float32, cpu) == FP8
     with pytest.raises(KVCacheDtypeError, match="expected one of auto, fp8"):
         resolve_kv_cache_dtype("int4", torch.float32, cpu)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_the_triton_backends_prefill_plumbing_reads_an_fp8_cache_as_the_reference(monkeypatch, window):
+    """Fresh prompts (their new keys rounded as stored) and prompts resumed over cached context (keys gathered and
+    read back), through the Triton backend's variable-length calls with the kernel's CPU stand-in."""
+    from loraplex.layers.attention import PagedAttention, TritonAttentionBackend
+    from loraplex.layers.kernels import varlen_prefill
+    from loraplex.layers.kv_quant import LayerKVCache, quantize
+    from tests.unit.test_varlen_plumbing import kernel_stand_in, step
+
+    calls = []
+    monkeypatch.setattr(varlen_prefill, "varlen_usable", lambda q, kv_heads: True)
+    monkeypatch.setattr(varlen_prefill, "resumed_varlen_usable", lambda q, kv_heads: True)
+    monkeypatch.setattr(varlen_prefill, "causal_varlen", lambda *a: calls.append(a) or kernel_stand_in(*a))
+    layer = PagedAttention(0, 4, 2, 8, 8**-0.5, sliding_window=window)
+    q, k, v, cache, md = step()
+    scales = torch.tensor([[0.01, 0.02], [0.03, 0.015]])
+    stored = [quantize(cache[0], scales[0]), quantize(cache[1], scales[1])]
+    fp8_cache = lambda: LayerKVCache(stored[0].clone(), stored[1].clone(), scales)  # noqa: E731
+    expected = TorchAttentionBackend().forward(layer, q, k, v, fp8_cache(), md)
+    _, _, _, _, md = step()
+    got = TritonAttentionBackend().forward(layer, q, k, v, fp8_cache(), md)
+    assert len(calls) == 2  # the fresh prompts' call and the resumed prompts'
+    torch.testing.assert_close(got, expected)
