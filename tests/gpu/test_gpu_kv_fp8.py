@@ -164,3 +164,16 @@ def test_scales_set_after_capture_are_read_by_the_graphs():
     eager.set_kv_scales(scales)
     assert tokens(graphed, batch) == tokens(eager, batch)
     assert graphed.runner.decode_graphs.num_captured >= 1
+
+
+def test_an_fp8_cache_sized_from_free_memory_holds_twice_the_tokens():
+    from loraplex.config import EngineConfig
+    from loraplex.engine.loading import LoadedModel
+    from loraplex.engine.memory import kv_cache_blocks
+
+    ours, config = ours_from_hf(tiny_hf_model("llama").to(DEVICE), device=DEVICE, dtype=torch.bfloat16)
+    loaded = LoadedModel(ours, config, None, torch.device(DEVICE), torch.bfloat16, "test-model")
+    torch.cuda.synchronize()
+    blocks = {name: kv_cache_blocks(EngineConfig(kv_cache_memory_fraction=0.02, kv_cache_dtype=name), loaded)
+              for name in ("auto", "fp8")}
+    assert abs(blocks["fp8"] / blocks["auto"] - 2) < 0.01, blocks
