@@ -8,7 +8,7 @@ import os
 import socket
 import sys
 
-from loraplex.config import EngineConfig, ServerConfig
+from loraplex.config import KV_CACHE_DTYPES, EngineConfig, ServerConfig
 from loraplex.multimodal.config import MediaConfig
 from loraplex.quantization import QUANTIZE_CHOICES, QuantizationError
 
@@ -90,6 +90,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=_env("QUANTIZE"), choices=QUANTIZE_CHOICES,
                    help="quantize the base model's linears with bitsandbytes: int8 (LLM.int8), nf4 or fp4 "
                         "(LoRA adapters run on top in the model's dtype)")
+    p.add_argument("--kv-cache-dtype", default=_env("KV_CACHE_DTYPE", "auto"), choices=KV_CACHE_DTYPES,
+                   help="what the paged KV cache stores: auto (the model's dtype) or fp8 (e4m3 with per-layer scales: "
+                        "half the bytes of bfloat16, twice the tokens; CPU, or CUDA compute capability 8.9+)")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                    default=_env("PREFIX_CACHING", True, _truthy),
                    help="share computed KV blocks between requests with the same prompt prefix, adapter and images "
@@ -180,6 +183,7 @@ def _load_engine(args: argparse.Namespace, show_progress: bool = False, log=None
     serve, a device this machine lacks, a refused flag) as a UsageError."""
     from loraplex.checkpoints.weights import WeightsError
     from loraplex.engine.engine import Engine
+    from loraplex.layers.kv_quant import KVCacheDtypeError
 
     if args.trust_remote_code:
         raise UsageError("--trust-remote-code is not supported: loraplex runs its own implementation of each model "
@@ -192,7 +196,7 @@ def _load_engine(args: argparse.Namespace, show_progress: bool = False, log=None
             raise UsageError(f"--device {device}: no CUDA device is available on this machine (try --device cpu)")
     try:
         engine = Engine.from_config(_engine_config(args), show_progress=show_progress, log=log)
-    except (WeightsError, QuantizationError) as exc:
+    except (WeightsError, QuantizationError, KVCacheDtypeError) as exc:
         raise UsageError(str(exc)) from exc
     except ValueError as exc:  # the model's config names something we do not serve (models/registry.py config_from_hf)
         raise UsageError(f"cannot serve {args.model_id or 'the default model'}: {exc}") from exc
@@ -221,6 +225,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         adapter_cycle_time_s=args.adapter_cycle_time_s,
         chat_template=args.chat_template,
         quantize=args.quantize,
+        kv_cache_dtype=args.kv_cache_dtype,
         prefix_caching=args.prefix_caching,
         speculative_tokens=args.speculative_tokens,
         cuda_graphs=args.cuda_graphs,
@@ -315,7 +320,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ready = (
         f"loraplex ready: {engine.model_id} on {engine.device} ({str(engine.dtype).removeprefix('torch.')}"
         f"{', quantized ' + args.quantize if args.quantize else ''}), "
-        f"KV cache {engine.kv_capacity_tokens} tokens, http://{args.hostname}:{args.port}"
+        f"KV cache {engine.kv_capacity_tokens} tokens ({str(engine.kv_cache_dtype).removeprefix('torch.')}), "
+        f"http://{args.hostname}:{args.port}"
     )
     if args.json_output:
         logger.info(ready)

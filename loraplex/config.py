@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from loraplex.multimodal.config import MediaConfig
 
+KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype (layers/kv_quant.py)
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -193,6 +195,9 @@ class EngineConfig:
     # Share computed KV blocks between requests with the same prefix, adapter and images (exact: a hit holds
     # the keys and values the request would compute itself).
     prefix_caching: bool = True
+    # What the paged KV cache stores: "auto" the model's dtype; "fp8" float8 e4m3, half the bytes of bfloat16 per
+    # token (twice the tokens), scaled per layer and KV head (layers/kv_quant.py). LoRAX's fp8-kv, vLLM's name.
+    kv_cache_dtype: str = "auto"
     # Speculative decoding (LoRAX's --speculative-tokens): up to this many tokens guessed per request and step
     # by n-gram lookup in its own tokens, verified by the model in one step; outputs unchanged. 0: off.
     speculative_tokens: int = 0

@@ -85,7 +85,8 @@ def _all_rows_on(adapter: LoraAdapter | None, model, rows: int, encoder_rows: in
 
 @torch.inference_mode()
 def full_logits(
-    model, config: ModelConfig, token_ids: list[int], device: str = "cpu", adapter: LoraAdapter | None = None
+    model, config: ModelConfig, token_ids: list[int], device: str = "cpu", adapter: LoraAdapter | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Logits at every position of one sequence, through our paged attention path (one prefill step).
 
@@ -93,7 +94,8 @@ def full_logits(
     the model's LoRA wrappers hold no adapter state, so nothing outlives the call.
     """
     dtype = next(model.parameters()).dtype
-    runner = ModelRunner(model, config.num_layers, config.num_kv_heads, config.head_dim, 64, 16, torch.device(device), dtype)
+    runner = ModelRunner(model, config.num_layers, config.num_kv_heads, config.head_dim, 64, 16, torch.device(device), dtype,
+                         kv_cache_dtype=kv_cache_dtype)
     request = Request("probe", list(token_ids), SamplingParams(max_new_tokens=1), 0, 0.0)
     request.block_ids = list(range(-(-len(token_ids) // 16)))
     batch = runner.batches.build([ScheduledRequest(request, len(token_ids))])
@@ -106,14 +108,15 @@ def full_logits(
 @torch.inference_mode()
 def encoder_decoder_logits(
     model, config: ModelConfig, encoder_ids: list[int], decoder_ids: list[int], adapter: LoraAdapter | None = None,
-    device: str = "cpu",
+    device: str = "cpu", kv_cache_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Decoder logits at every position of `decoder_ids` given `encoder_ids`, through our engine's path
     (one step: the encoder runs, its cross-attention states are stored, the decoder ids are prefilled).
 
     With `adapter`, every row of every kind uses it (a one-slot table of its own)."""
     dtype = next(model.parameters()).dtype  # the embedding: the compute dtype (T5 may keep its wo in float32)
-    runner = ModelRunner(model, config.num_layers, config.num_kv_heads, config.head_dim, 64, 16, torch.device(device), dtype)
+    runner = ModelRunner(model, config.num_layers, config.num_kv_heads, config.head_dim, 64, 16, torch.device(device), dtype,
+                         kv_cache_dtype=kv_cache_dtype)
     request = Request("probe", list(decoder_ids), SamplingParams(max_new_tokens=1), 0, 0.0, encoder_ids=list(encoder_ids))
     own = -(-len(decoder_ids) // 16)
     request.block_ids = list(range(own))

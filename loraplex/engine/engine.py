@@ -21,7 +21,7 @@ from loraplex.engine.grammar_masks import GrammarMasks
 from loraplex.engine.inputs import GrammarCache, InputProcessor, ProcessedInputs
 from loraplex.engine.joins import WaitingJoins
 from loraplex.engine.loading import LoadedModel, load_model
-from loraplex.engine.memory import kv_cache_blocks
+from loraplex.engine.memory import kv_cache_blocks, kv_cache_dtype
 from loraplex.engine.output import OutputProcessor, RequestOutput, Stream, failed_output
 from loraplex.engine.overlap import InFlight, drop_placeholders, in_flight
 from loraplex.engine.prefix_cache import root_key
@@ -54,7 +54,8 @@ class Engine:
         self.processor = loaded.processor  # None for text-only models
         self.model_id = loaded.model_id
         self.device, self.dtype = loaded.device, loaded.dtype
-        num_blocks = kv_cache_blocks(config, loaded)
+        self.kv_cache_dtype = kv_cache_dtype(config, loaded)
+        num_blocks = kv_cache_blocks(config, loaded, self.kv_cache_dtype)
         # A model whose cross-attention layers cache only its states (Mllama) keeps them in a pool of their
         # own, as many slots as the token pool: the same memory as one pool whose blocks span every layer,
         # but states no longer take token slots (nor tokens state slots).
@@ -82,7 +83,7 @@ class Engine:
             loaded.model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, config.block_size,
             loaded.device, loaded.dtype, lora=self.lora, forced_tokens=forced, num_state_blocks=num_state_blocks,
             graphs=GraphSettings(min(config.max_num_seqs, GRAPH_BATCH_SIZES[-1]), self.max_total_tokens)
-            if graphed else None,
+            if graphed else None, kv_cache_dtype=self.kv_cache_dtype,
         )
         if self.runner.decode_graphs is not None:  # a step that admits runs eagerly: joins wait a little (joins.py)
             self.scheduler.joins = WaitingJoins(config.max_waiting_tokens, config.waiting_served_ratio)
@@ -117,6 +118,11 @@ class Engine:
     def warm_up(self) -> WarmUpReport:
         """Run made-up requests through the idle engine before the first real one (engine/warm_up.py)."""
         return warm_up(self)
+
+    def set_kv_scales(self, scales) -> None:
+        """An FP8 KV cache's calibrated scales, {layer index: (k_scale, v_scale)} (layers/kv_quant.py), before the
+        first request (ValueError when the cache is not FP8)."""
+        self.runner.set_kv_scales(scales)
 
     # ---- capacity ---------------------------------------------------------------------------------
 

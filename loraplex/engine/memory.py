@@ -6,19 +6,30 @@ import os
 
 import torch
 
-from loraplex.config import EngineConfig
+from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.decode_graphs import BATCH_SIZES as GRAPH_BATCH_SIZES
 from loraplex.engine.kv_cache import blocks_for
 from loraplex.engine.loading import LoadedModel
+from loraplex.layers.kv_quant import resolve_kv_cache_dtype
 
 CPU_KV_CACHE_CAP_BYTES = 2 << 30
 
 
-def kv_cache_blocks(cfg: EngineConfig, loaded: LoadedModel) -> int:
+def kv_cache_dtype(cfg: EngineConfig, loaded: LoadedModel) -> torch.dtype:
+    """What the KV cache stores (`--kv-cache-dtype`; KVCacheDtypeError where it cannot run)."""
+    return resolve_kv_cache_dtype(cfg.kv_cache_dtype, loaded.dtype, loaded.device)
+
+
+def kv_bytes_per_token(mc: ModelConfig, kv_dtype: torch.dtype) -> int:
+    """Keys and values of one token in every layer (an FP8 cache: one byte each, its scales aside)."""
+    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * kv_dtype.itemsize
+
+
+def kv_cache_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype | None = None) -> int:
+    """Blocks of a cache storing `kv_dtype` (default: the config's) in the memory budget."""
     if cfg.max_batch_total_tokens is not None:
         return blocks_for(cfg.max_batch_total_tokens, cfg.block_size)
-    mc = loaded.config
-    bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * loaded.dtype.itemsize
+    bytes_per_token = kv_bytes_per_token(loaded.config, kv_dtype or kv_cache_dtype(cfg, loaded))
     if loaded.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(loaded.device)
         free -= (1.0 - cfg.cuda_memory_fraction) * total  # the share of the device not ours

@@ -24,6 +24,7 @@ from loraplex.environment import fused_projections_enabled
 from loraplex.kernels import triton_available
 from loraplex.layers.attention import AttentionBackend, TritonAttentionBackend, default_backend
 from loraplex.layers.forward_context import ForwardContext, forward_context
+from loraplex.layers.kv_quant import set_kv_scales
 from loraplex.layers.projections import fuse_projections
 from loraplex.lora.plan import STACKED_ROWS_PER_SEGMENT, LoraPlan, LoraPlanner
 from loraplex.lora.table import AdapterTable
@@ -55,7 +56,7 @@ class ModelRunner:
         self, model: ModelFamily, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
         block_size: int, device: torch.device, dtype: torch.dtype, backend: AttentionBackend | None = None,
         lora: AdapterTable | None = None, forced_tokens: ForcedTokens | None = None, num_state_blocks: int = 0,
-        graphs: GraphSettings | None = None,
+        graphs: GraphSettings | None = None, kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.lora = lora  # the engine's device slots (None: no adapters)
@@ -73,12 +74,13 @@ class ModelRunner:
         # padding rows write into one more block than the scheduler hands out.
         graphed = (graphs is not None and triton_available(device) and isinstance(self.backend, TritonAttentionBackend)
                    and graphable_family(model.inputs))
+        kv_dtype = kv_cache_dtype or dtype  # an FP8 cache: layers/kv_quant.py
         caches = dict(zip(self.token_layers, self.backend.allocate_kv_cache(
-            len(self.token_layers), num_blocks + graphed, block_size, num_kv_heads, head_dim, dtype, device
+            len(self.token_layers), num_blocks + graphed, block_size, num_kv_heads, head_dim, kv_dtype, device
         )))
         if self.state_layers:
             caches.update(zip(self.state_layers, self.backend.allocate_kv_cache(
-                len(self.state_layers), num_state_blocks, block_size, num_kv_heads, head_dim, dtype, device
+                len(self.state_layers), num_state_blocks, block_size, num_kv_heads, head_dim, kv_dtype, device
             )))
         self.kv_caches = [caches[i] for i in range(num_layers)]
         self.batches = BatchBuilder(block_size, device, self.backend, model.inputs)
@@ -99,6 +101,10 @@ class ModelRunner:
     @property
     def takes_images(self) -> bool:
         return self.vision_counters is not None
+
+    def set_kv_scales(self, scales) -> None:
+        """{layer index: (k_scale, v_scale)} into an FP8 cache's scale tensors, in place (graphs read them)."""
+        set_kv_scales(self.kv_caches, scales)
 
     @torch.inference_mode()
     def execute(

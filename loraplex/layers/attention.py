@@ -12,9 +12,6 @@ their own request's cross-attention states, which live in KV blocks of the same 
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -24,7 +21,9 @@ from torch import nn
 from loraplex.environment import torch_attention_forced
 from loraplex.layers.forward_context import AttentionMetadata, get_forward_context
 from loraplex.layers.kernels import fused_kernels_wanted
+from loraplex.layers.kv_quant import LayerKVCache, as_bytes, is_fp8, kv_as_cached, layer_cache, quantize, read_kv
 from loraplex.layers.masks import visible_keys
+from loraplex.layers.prefill_runs import fresh_prompts, put_rows, resumed_prompts
 
 
 class AttentionBackend(Protocol):
@@ -115,8 +114,9 @@ class TorchAttentionBackend:
 
     Decode rows (one new token per sequence) are batched into one SDPA call over a padded gather;
     prefill sequences are computed one at a time (a fresh prompt needs no gather at all).
-    Cache layout per layer: (keys, values), each [num_blocks, block_size, Hkv, D], views of one pool
-    [layers, 2, num_blocks, ...] per allocation (so that `clear_blocks` zeroes a block in every layer at once).
+    Cache layout per layer: a LayerKVCache, keys and values each [num_blocks, block_size, Hkv, D], views of one pool
+    [layers, 2, num_blocks, ...] per allocation (so that `clear_blocks` zeroes a block in every layer at once), and
+    for an FP8 cache its scales (layers/kv_quant.py): every write quantizes, every read dequantizes.
     """
 
     pads_decode_groups = True
@@ -127,7 +127,8 @@ class TorchAttentionBackend:
     def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         pool = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
         self._pools.append(pool)
-        return [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
+        scales = torch.ones(num_layers, 2, num_kv_heads, dtype=torch.float32, device=device) if is_fp8(dtype) else None
+        return [LayerKVCache(pool[i, 0], pool[i, 1], None if scales is None else scales[i]) for i in range(num_layers)]
 
     def clear_blocks(self, kv_caches, block_ids):
         if not block_ids:
@@ -139,49 +140,52 @@ class TorchAttentionBackend:
         index = index.to(device, non_blocking=True)
         pool = self._pool_of(kv_caches)
         if pool is not None:  # one launch for every layer
-            pool.index_fill_(2, index, 0)
+            as_bytes(pool).index_fill_(2, index, 0)
             return
-        for key_cache, value_cache in kv_caches:
-            key_cache.index_fill_(0, index, 0)
-            value_cache.index_fill_(0, index, 0)
+        for key_cache, value_cache, *_ in kv_caches:
+            as_bytes(key_cache).index_fill_(0, index, 0)
+            as_bytes(value_cache).index_fill_(0, index, 0)
 
     def _pool_of(self, kv_caches) -> torch.Tensor | None:
         """The pool `kv_caches` are all the layers of, if they are (as `allocate_kv_cache` returned them)."""
         pool = kv_caches[0][0]._base
         if (any(pool is p for p in self._pools) and pool.shape[0] == len(kv_caches)
-                and all(k._base is pool and v._base is pool for k, v in kv_caches)):
+                and all(k._base is pool and v._base is pool for k, v, *_ in kv_caches)):
             return pool
         return None
 
     def forward(self, layer, q, k, v, kv_cache, md):
-        key_cache, value_cache = kv_cache
-        self._write_kv(key_cache, value_cache, md.slot_mapping, k, v)
+        key_cache, value_cache, scales = layer_cache(kv_cache)
+        self._write_kv(key_cache, value_cache, md.slot_mapping, k, v, scales)
 
         groups = md.decode_groups
         if len(groups) == 1 and groups[0].in_order and not md.prefill_seqs:  # every row decodes, in order
-            return self._decode(layer, q, key_cache, value_cache, md, 0)  # (a CUDA graph's step): no gather
+            return self._decode(layer, q, key_cache, value_cache, md, 0, scales)  # (a CUDA graph's step): no gather
         out = torch.empty_like(q)
         for g, group in enumerate(groups):
-            out[group.rows] = self._decode(layer, q[group.rows], key_cache, value_cache, md, g)
-        self._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, md.prefill_seqs, out)
+            out[group.rows] = self._decode(layer, q[group.rows], key_cache, value_cache, md, g, scales)
+        self._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, md.prefill_seqs, out, scales)
         return out
 
     @staticmethod
-    def _write_kv(key_cache, value_cache, slots, k, v) -> None:
-        """Row i of k and v into the caches' flat slot slots[i]."""
+    def _write_kv(key_cache, value_cache, slots, k, v, scales=None) -> None:
+        """Row i of k and v into the caches' flat slot slots[i] (quantized first when the cache has scales)."""
         num_kv_heads, head_dim = key_cache.shape[2:]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+        if scales is not None:
+            k, v = quantize(k, scales[0]), quantize(v, scales[1])
+        as_bytes(key_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, as_bytes(k))
+        as_bytes(value_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, as_bytes(v))
 
-    def _prefill_seqs(self, layer, q, k, v, key_cache, value_cache, md, seqs, out) -> None:
+    def _prefill_seqs(self, layer, q, k, v, key_cache, value_cache, md, seqs, out, scales=None) -> None:
         """Attention for the rows of `seqs` (prompts, chunks, resumed requests), written into `out`."""
         for s in seqs:
             start, end = md.query_start_loc[s], md.query_start_loc[s + 1]
             seq_len = md.seq_lens[s]
-            if seq_len == end - start:  # nothing cached before this step: use the new k/v directly
-                keys, values = k[start:end], v[start:end]
+            if seq_len == end - start:  # nothing cached before this step: the new k/v, as the cache holds them
+                keys, values = kv_as_cached(k[start:end], v[start:end], scales)
             else:
-                keys, values = self._gather(key_cache, value_cache, md.block_tables[s : s + 1], seq_len)
+                keys, values = self._gather(key_cache, value_cache, md.block_tables[s : s + 1], seq_len, scales,
+                                            q.dtype)
                 keys, values = keys[0], values[0]
             out[start:end] = self._prefill(layer, q[start:end], keys, values, seq_len, md, s)
 
@@ -203,17 +207,16 @@ class TorchAttentionBackend:
 
     def cross_forward(self, layer, q, k, v, kv_cache, md):
         enc = md.encoder
-        key_cache, value_cache = kv_cache
+        key_cache, value_cache, scales = layer_cache(kv_cache)
         if k is not None:
-            num_kv_heads, head_dim = key_cache.shape[2:]
-            key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, enc.slot_mapping, k)
-            value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, enc.slot_mapping, v)
+            TorchAttentionBackend._write_kv(key_cache, value_cache, enc.slot_mapping, k, v, scales)
         # Rows of sequences without states stay zero.
         out = torch.zeros_like(q) if 0 in enc.lens else torch.empty_like(q)
         # Decode rows in groups of similar state count, each over its own states padded to the group's
         # longest and masked: no sequence ever reads another's states, and padding stays small.
         for group in enc.decode_groups:
-            keys, values = self._gather(key_cache, value_cache, enc.block_tables[group.seqs], group.max_len)
+            keys, values = self._gather(key_cache, value_cache, enc.block_tables[group.seqs], group.max_len, scales,
+                                        q.dtype)
             position = torch.arange(group.max_len, device=q.device)[None, :]
             if enc.row_first is None:
                 visible = position < group.seq_lens[:, None]
@@ -230,7 +233,8 @@ class TorchAttentionBackend:
             if enc.lens[s] == 0:
                 continue
             start, end = md.query_start_loc[s], md.query_start_loc[s + 1]
-            keys, values = self._gather(key_cache, value_cache, enc.block_tables[s : s + 1], enc.lens[s])
+            keys, values = self._gather(key_cache, value_cache, enc.block_tables[s : s + 1], enc.lens[s], scales,
+                                        q.dtype)
             mask = None
             if enc.row_first is not None:  # [1, 1, rows, states]
                 position = torch.arange(enc.lens[s], device=q.device)[None, :]
@@ -246,21 +250,24 @@ class TorchAttentionBackend:
         return out
 
     @staticmethod
-    def _gather(key_cache, value_cache, block_tables, max_len):
-        """[B, blocks] -> keys/values [B, max_len, Hkv, D] (padding rows hold stale data; mask them)."""
+    def _gather(key_cache, value_cache, block_tables, max_len, scales=None, dtype=None):
+        """[B, blocks] -> keys/values [B, max_len, Hkv, D] (padding rows hold stale data; mask them); an FP8
+        cache's read back in `dtype`."""
         batch = block_tables.shape[0]
         num_blocks, block_size, heads, dim = key_cache.shape
         nb = -(-max_len // block_size)
         flat_table = block_tables[:, :nb].reshape(-1)
-        # index_select on whole blocks: one contiguous copy per block, much cheaper than advanced indexing.
-        keys = key_cache.index_select(0, flat_table).view(batch, nb * block_size, heads, dim)[:, :max_len]
-        values = value_cache.index_select(0, flat_table).view(batch, nb * block_size, heads, dim)[:, :max_len]
-        return keys, values
 
-    def _decode(self, layer, q, key_cache, value_cache, md, g):
+        def blocks(cache):  # index_select on whole blocks: one contiguous copy per block, cheaper than indexing
+            picked = as_bytes(cache).index_select(0, flat_table).view(cache.dtype)
+            return picked.view(batch, nb * block_size, heads, dim)[:, :max_len]
+
+        return read_kv(blocks(key_cache), blocks(value_cache), scales, dtype)
+
+    def _decode(self, layer, q, key_cache, value_cache, md, g, scales=None):
         group = md.decode_groups[g]
         seq_lens, max_len = group.seq_lens, group.max_len
-        keys, values = self._gather(key_cache, value_cache, md.block_tables[group.seqs], max_len)
+        keys, values = self._gather(key_cache, value_cache, md.block_tables[group.seqs], max_len, scales, q.dtype)
         key_pos = torch.arange(max_len, device=q.device)
         visible = key_pos[None, :] < seq_lens[:, None]
         if layer.sliding_window is not None:
@@ -333,130 +340,55 @@ class TritonAttentionBackend(TorchAttentionBackend):
     pads_decode_groups = False
 
     @staticmethod
-    def _write_kv(key_cache, value_cache, slots, k, v) -> None:
+    def _write_kv(key_cache, value_cache, slots, k, v, scales=None) -> None:
         if fused_kernels_wanted(k.device) and k.stride(-1) == v.stride(-1) == 1:  # one launch, not two
             from loraplex.layers.kernels.kv_write import write_kv
 
-            return write_kv(key_cache, value_cache, slots, k, v)
-        TorchAttentionBackend._write_kv(key_cache, value_cache, slots, k, v)
+            return write_kv(key_cache, value_cache, slots, k, v, scales)
+        TorchAttentionBackend._write_kv(key_cache, value_cache, slots, k, v, scales)
 
-    def _prefill_seqs(self, layer, q, k, v, key_cache, value_cache, md, seqs, out) -> None:
+    def _prefill_seqs(self, layer, q, k, v, key_cache, value_cache, md, seqs, out, scales=None) -> None:
         """Fresh prompts (nothing cached before them) in one variable-length launch and prompts resumed over cached
         context in another, where the kernel runs and the layer adds no score bias; the others as the reference
         does."""
         from loraplex.layers.kernels.varlen_prefill import causal_varlen, resumed_varlen_usable, varlen_usable
 
         if not seqs or layer.has_score_bias or not varlen_usable(q, layer.num_kv_heads):
-            return super()._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, seqs, out)
+            return super()._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, seqs, out, scales)
         window = layer.sliding_window
-        fresh = _fresh_prompts(md, q.device)
+        fresh = fresh_prompts(md, q.device)
         if fresh is not None:
             rows, cu = fresh.rows, fresh.cu_seqlens
-            _put(out, rows, causal_varlen(q[rows], k[rows], v[rows], cu, cu, fresh.max_len, fresh.max_len,
-                                          layer.scale, window))
+            keys, values = kv_as_cached(k[rows], v[rows], scales)
+            put_rows(out, rows, causal_varlen(q[rows], keys, values, cu, cu, fresh.max_len, fresh.max_len,
+                                              layer.scale, window))
         others = fresh.others if fresh is not None else list(seqs)
         if others and resumed_varlen_usable(q, layer.num_kv_heads):
-            resumed = _resumed_prompts(md, others, key_cache.shape[1], q.device)
-            num_kv_heads, head_dim = key_cache.shape[2:]
-            keys = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, resumed.key_slots)
-            values = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, resumed.key_slots)
-            _put(out, resumed.rows, causal_varlen(q[resumed.rows], keys, values, resumed.cu_seqlens_q,
-                                                  resumed.cu_seqlens_k, resumed.max_len_q, resumed.max_len_k,
-                                                  layer.scale, window))
+            resumed = resumed_prompts(md, others, key_cache.shape[1], q.device)
+            keys, values = read_kv(_slots_of(key_cache, resumed.key_slots), _slots_of(value_cache, resumed.key_slots),
+                                   scales, q.dtype)
+            put_rows(out, resumed.rows, causal_varlen(q[resumed.rows], keys, values, resumed.cu_seqlens_q,
+                                                      resumed.cu_seqlens_k, resumed.max_len_q, resumed.max_len_k,
+                                                      layer.scale, window))
             others = []
-        super()._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, others, out)
+        super()._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, others, out, scales)
 
-    def _decode(self, layer, q, key_cache, value_cache, md, g):
+    def _decode(self, layer, q, key_cache, value_cache, md, g, scales=None):
         if layer.position_bias is not None:
-            return super()._decode(layer, q, key_cache, value_cache, md, g)
+            return super()._decode(layer, q, key_cache, value_cache, md, g, scales)
         from loraplex.layers.kernels.paged_decode import paged_decode
 
         group = md.decode_groups[g]
         slopes = layer.alibi_on(q.device) if layer.alibi_slopes is not None else None
         tables = md.block_tables if group.in_order else md.block_tables[group.seqs]
         return paged_decode(q, key_cache, value_cache, tables, group.seq_lens,
-                            layer.scale, layer.sliding_window, slopes, group.max_len)
+                            layer.scale, layer.sliding_window, slopes, group.max_len, scales)
 
 
-@dataclass(frozen=True)
-class _FreshPrompts:
-    """The step's prompts with nothing cached before them: their rows (a slice when contiguous, else an index),
-    their offsets within those rows (int32, on the device) and longest length; `others`: the other prefill
-    sequences."""
-
-    rows: slice | torch.Tensor
-    cu_seqlens: torch.Tensor
-    max_len: int
-    others: list[int]
-
-
-@dataclass(frozen=True)
-class _ResumedPrompts:
-    """Prefill sequences over cached context: their new rows (as `_FreshPrompts.rows`), every key's flat cache slot
-    (sequence after sequence, each from its first position: context, then the new rows, which the layer wrote
-    before attending), and the offsets (int32, on the device) and longest lengths of their queries and keys."""
-
-    rows: slice | torch.Tensor
-    key_slots: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_len_q: int
-    max_len_k: int
-
-
-def _fresh_prompts(md: AttentionMetadata, device: torch.device) -> _FreshPrompts | None:
-    """Computed once per step (every layer shares it); None when no prompt is fresh."""
-    if "fresh prompts" not in md.step_cache:
-        starts, lens, fresh, others = md.query_start_loc, md.seq_lens, [], []
-        for s in md.prefill_seqs:
-            (fresh if lens[s] == starts[s + 1] - starts[s] else others).append(s)
-        found = None
-        if fresh:
-            cu_seqlens = torch.tensor(_offsets([lens[s] for s in fresh]), dtype=torch.int32, device=device)
-            found = _FreshPrompts(_rows_of(md, fresh, device), cu_seqlens, max(lens[s] for s in fresh), others)
-        md.step_cache["fresh prompts"] = found
-    return md.step_cache["fresh prompts"]
-
-
-def _resumed_prompts(md: AttentionMetadata, seqs: list[int], block_size: int, device: torch.device) -> _ResumedPrompts:
-    """Computed once per step, for `seqs` (the same for every layer)."""
-    if "resumed prompts" not in md.step_cache:
-        starts, lens = md.query_start_loc, md.seq_lens
-        new = [starts[s + 1] - starts[s] for s in seqs]
-        total = [lens[s] for s in seqs]
-        cu_q, cu_k = _offsets(new), _offsets(total)
-        n = len(seqs)
-        # Key j of the run is position j - cu_k[i] of sequence i, in block position // block_size of its table.
-        # (Each list reaches the device in one copy.)
-        seq_ids, per_key, first_key = torch.tensor([*seqs, *total, *cu_k[:-1]], device=device).split(n)
-        keys = cu_k[-1]
-        position = torch.arange(keys, device=device) - first_key.repeat_interleave(per_key, output_size=keys)
-        seq_of_key = seq_ids.repeat_interleave(per_key, output_size=keys)
-        key_slots = md.block_tables[seq_of_key, position // block_size] * block_size + position % block_size
-        cu_seqlens_q, cu_seqlens_k = torch.tensor(cu_q + cu_k, dtype=torch.int32, device=device).split(n + 1)
-        md.step_cache["resumed prompts"] = _ResumedPrompts(
-            _rows_of(md, seqs, device), key_slots, cu_seqlens_q, cu_seqlens_k, max(new), max(total))
-    return md.step_cache["resumed prompts"]
-
-
-def _offsets(lengths: list[int]) -> list[int]:
-    """[0, l0, l0 + l1, ...]"""
-    return list(itertools.accumulate(lengths, initial=0))
-
-
-def _rows_of(md: AttentionMetadata, seqs: list[int], device: torch.device) -> slice | torch.Tensor:
-    """The step's rows of `seqs` (in order): one slice when they are contiguous, else an index."""
-    starts = md.query_start_loc
-    if all(starts[b] == starts[a + 1] for a, b in zip(seqs, seqs[1:])):
-        return slice(starts[seqs[0]], starts[seqs[-1] + 1])
-    return torch.tensor([r for s in seqs for r in range(starts[s], starts[s + 1])], device=device)
-
-
-def _put(out: torch.Tensor, rows: slice | torch.Tensor, attended: torch.Tensor) -> None:
-    if isinstance(rows, slice):
-        out[rows] = attended
-    else:
-        out.index_copy_(0, rows, attended)
+def _slots_of(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The rows [len(slots), Hkv, D] at these flat slots of a cache [num_blocks, block_size, Hkv, D]."""
+    num_kv_heads, head_dim = cache.shape[2:]
+    return as_bytes(cache).view(-1, num_kv_heads, head_dim).index_select(0, slots).view(cache.dtype)
 
 
 def default_backend(device: torch.device) -> AttentionBackend:

@@ -311,6 +311,7 @@ async def info(request: Request):
         "max_batch_total_tokens": core.kv_capacity_tokens,
         "max_batch_prefill_tokens": core.config.max_batch_prefill_tokens,
         "block_size": core.config.block_size,
+        "kv_cache_dtype": str(core.kv_cache_dtype).removeprefix("torch."),  # float8_e4m3fn under --kv-cache-dtype fp8
         "input_modalities": ["text", "image"] if core.takes_images else ["text"],
         "model_type": core.model_config.model_type,
         "quantize": core.config.quantize,

@@ -60,6 +60,7 @@ def test_info_has_the_fields_lorax_clients_read(client):
                   "validation_workers", "sha", "docker_label", "max_input_length", "max_total_tokens"):
         assert field in info, field
     assert info["model_pipeline_tag"] == "text-generation" and info["max_waiting_tokens"] == 20
+    assert info["kv_cache_dtype"] == "float32"  # --kv-cache-dtype auto: the model's dtype
 
 
 def test_openai_adapter_id_extra_selects_the_adapter(client):

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraplex.layers.attention import PagedAttention, TorchAttentionBackend, TritonAttentionBackend, _resumed_prompts
+from loraplex.layers.attention import PagedAttention, TorchAttentionBackend, TritonAttentionBackend
+from loraplex.layers.prefill_runs import resumed_prompts
 from loraplex.layers.forward_context import AttentionMetadata
 from loraplex.layers.kernels import varlen_prefill
 from loraplex.layers.masks import visible_keys
@@ -53,7 +54,7 @@ def step(heads=4, kv_heads=2, dim=8, seed=0):
 
 def test_resumed_keys_are_every_position_of_each_sequence_in_its_blocks():
     _, _, _, _, md = step()
-    resumed = _resumed_prompts(md, [1, 3], BLOCK, torch.device("cpu"))
+    resumed = resumed_prompts(md, [1, 3], BLOCK, torch.device("cpu"))
     expected = [int(md.block_tables[s, p // BLOCK]) * BLOCK + p % BLOCK for s in (1, 3) for p in range(SEQS[s][1])]
     assert resumed.key_slots.tolist() == expected
     assert resumed.cu_seqlens_q.tolist() == [0, 10, 13] and resumed.cu_seqlens_k.tolist() == [0, 40, 60]

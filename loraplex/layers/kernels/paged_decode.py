@@ -7,8 +7,10 @@ computed together, padded to 16 rows: scores and weighted values are tensor-core
 row. The context is split across programs (flash-decoding) so that even a few rows keep the GPU reading; each
 split keeps its own running softmax in float32 (online, as FlashAttention's) and the splits are merged after.
 Score modifiers as `PagedAttention` defines them: a sliding window (keys more than `window` positions back are
-hidden) and ALiBi slopes (`slope[h] * (key_pos - query_pos)` added to the scaled scores). The torch backend's
-`_decode` is the reference (tests/gpu/test_gpu_paged_decode.py).
+hidden) and ALiBi slopes (`slope[h] * (key_pos - query_pos)` added to the scaled scores). An FP8 cache
+(layers/kv_quant.py) is read as e4m3 and widened to the query's dtype exactly; its per-KV-head scales, constant in a
+program, multiply the scores (keys') and the output (values'), not every element. The torch backend's `_decode` is
+the reference (tests/gpu/test_gpu_paged_decode.py, tests/gpu/test_gpu_kv_fp8.py).
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any sequen
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, slopes_ptr, acc_ptr, ml_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, slopes_ptr, kv_scales_ptr, acc_ptr, ml_ptr,
     scale, window, blocks_per_split,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_tb,
     HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -49,6 +51,10 @@ def _paged_decode_kernel(
                 mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
     if HAS_ALIBI:
         slopes = tl.load(slopes_ptr + heads, mask=head_ok, other=0.0)
+    score_scale = scale
+    if FP8:  # kv_scales [2, Hkv]: the keys' row, then the values'
+        score_scale = scale * tl.load(kv_scales_ptr + kv_head)
+        v_scale = tl.load(kv_scales_ptr + tl.num_programs(1) + kv_head)
 
     first_key = tl.maximum(seq_len - window, 0)  # `window` is huge when there is none
     begin = tl.maximum(split * blocks_per_split * BLOCK_SIZE, first_key // TOKENS * TOKENS)
@@ -64,10 +70,13 @@ def _paged_decode_kernel(
         kv_mask = visible[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GROUP_P, TOKENS]
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * score_scale  # [GROUP_P, TOKENS]
         else:
-            scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.dot(q, tl.trans(k)) * score_scale
         if HAS_ALIBI:
             scores += slopes[:, None] * (key_pos - query_pos).to(tl.float32)[None, :]
         scores = tl.where(visible[None, :], scores, float("-inf"))
@@ -80,6 +89,8 @@ def _paged_decode_kernel(
         else:
             acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
+    if FP8:
+        acc = acc * v_scale
     # This split's unnormalised output and its (max, sum): [rows, heads, splits, ...]; a split without keys
     # leaves m = -inf, l = 0, which the merge weighs by zero.
     part = (row * num_heads + heads) * num_splits + split
@@ -101,11 +112,11 @@ TOKENS_PER_STEP = 64  # keys per iteration: four 16-token blocks, one tensor-cor
 def paged_decode(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None,
-    max_seq_len: int | None = None,
+    max_seq_len: int | None = None, kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of decode queries q [B, H, D] over their cached keys/values ([num_blocks, block_size, Hkv, D]),
     sequence i's blocks listed in block_tables[i] and its length (the query's position + 1) in seq_lens[i];
-    `max_seq_len`: the longest (default: the block table's width)."""
+    `max_seq_len`: the longest (default: the block table's width); `kv_scales` [2, Hkv] (float32): an FP8 cache's."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     assert num_heads % num_kv_heads == 0 and key_cache.stride(3) == 1 and q.stride(2) == 1
@@ -118,16 +129,20 @@ def paged_decode(
     acc = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(batch, num_heads, splits, 2, dtype=torch.float32, device=q.device)
     slopes = alibi_slopes if alibi_slopes is not None else q.new_empty(0, dtype=torch.float32)
+    fp8 = kv_scales is not None
+    assert not fp8 or (kv_scales.shape == (2, num_kv_heads) and kv_scales.is_contiguous()
+                       and kv_scales.dtype == torch.float32), "an FP8 cache's scales: float32 [2, Hkv]"
+    assert fp8 == (key_cache.dtype == torch.float8_e4m3fn), "an FP8 cache needs its scales (and only it has any)"
     assert block_tables.stride(1) == 1, "each row's block ids must be contiguous"
     _paged_decode[(batch, num_kv_heads, splits)](
-        q, key_cache, value_cache, block_tables, seq_lens, slopes, acc, ml,
+        q, key_cache, value_cache, block_tables, seq_lens, slopes, kv_scales if fp8 else slopes, acc, ml,
         scale, sliding_window or NO_WINDOW, blocks_per_split,
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),
         HEAD_DIM=head_dim, DIM_P=triton.next_power_of_2(head_dim), GROUP=group,
         GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, TOKENS=TOKENS_PER_STEP,
-        HAS_ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32,
+        HAS_ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32, FP8=fp8,
     )
     out = torch.empty_like(q)
     _merge_splits[(batch, num_heads)](acc, ml, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
