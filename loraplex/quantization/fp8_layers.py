@@ -24,6 +24,8 @@ from loraplex.quantization.layer import QuantizedLinear
 
 
 SCALED_MM_MIN_ROWS = 1  # see Fp8Linear.min_rows
+WEIGHT_ONLY_DECODE = True  # see Fp8Linear.weight_only_decode
+WEIGHT_ONLY_MAX_ROWS = 16  # products of more rows take _scaled_mm (fp8_gemv's docstring says why)
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -55,6 +57,8 @@ class Fp8Linear(QuantizedLinear):
         # Products of fewer rows are padded to this many (zero rows) for `_scaled_mm`, with the Triton quantizer:
         # cuBLASLt's FP8 kernels for a few rows may be slower than for more; benchmarks/fp8_kernels.py measures.
         self.min_rows = SCALED_MM_MIN_ROWS
+        # Few rows (decode) on CUDA: the weight-only product (fp8_gemv: x unquantized); False: always _scaled_mm.
+        self.weight_only_decode = WEIGHT_ONLY_DECODE
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float() * self.weight_scale[:, None]
@@ -72,6 +76,11 @@ class Fp8Linear(QuantizedLinear):
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] == 0:
             out = rows.new_empty(0, self.out_features)
+        elif (self.weight_only_decode and rows.shape[0] <= WEIGHT_ONLY_MAX_ROWS and self.in_features % 128 == 0
+              and triton_available(x.device)):
+            from loraplex.quantization import fp8_gemv
+
+            return fp8_gemv.matmul(rows, self.weight, self.weight_scale, self.bias).view(*x.shape[:-1], self.out_features)
         else:
             if numerics.scaled_mm_usable(x.device, self.in_features, self.out_features):
                 q, q_scale = self.quantize_input(rows, self.min_rows)
@@ -101,6 +110,7 @@ class Fp8Linear(QuantizedLinear):
             fused = cls(torch.cat([lin.weight for lin in linears]), torch.cat([lin.weight_scale for lin in linears]),
                         None if first.bias is None else torch.cat([lin.bias for lin in linears]), input_scale)
         fused.activation_quant, fused.min_rows = first.activation_quant, first.min_rows
+        fused.weight_only_decode = first.weight_only_decode
         start = 0
         for linear in linears:
             rows = slice(start, start + linear.out_features)

@@ -2,9 +2,10 @@
 `w4a16` (blocks of 128 input features, nibble j of 16 consecutive words = 16 consecutive features) as it is read.
 
 One program per (block of rows, block of output columns, split of the input features). Per 128-feature block it
-loads 16 words x BLOCK_N columns once and, for each nibble j, dequantizes a [16, BLOCK_N] slice (a shift, a mask, an
-or that makes the float 2^23 + q, minus 2^23 + zero, times scale: exact in float32, then rounded to x's dtype as the
-reference's cast rounds) and multiplies it by x's 16 matching columns on the tensor cores.
+loads 16 words x BLOCK_N columns once, dequantizes all eight nibbles of them into a [128, BLOCK_N] tile in feature
+order (a shift, a mask, an or that makes the float 2^23 + q, minus 2^23 + zero, times scale: exact in float32, then
+rounded to x's dtype as the reference's cast rounds) and multiplies it by x's 128 matching columns on the tensor
+cores, one dot per block.
 
 Few rows (decode) read the weight once and do little arithmetic, so the input features are split across programs to
 keep every SM streaming weights; each split writes its own float32 partial, and the partials are added in a fixed
@@ -29,11 +30,11 @@ REDUCE_BLOCK = 256
 # Launch shapes, guesses until measured (benchmarks/w4a16_kernels.py sweeps both and prints the best):
 PROGRAMS_PER_SM = 8  # programs wanted for a decode-sized product: several per SM keep enough loads in flight
 # (most rows, BLOCK_M, BLOCK_N, num_warps): the first entry whose most rows is >= M (None: any); tl.dot needs 16 rows.
-TILES = [(16, 16, 64, 4), (32, 32, 64, 4), (64, 64, 32, 4), (None, 64, 128, 4)]
+TILES = [(16, 16, 64, 4), (32, 32, 64, 4), (64, 64, 64, 4), (None, 64, 128, 8)]
 PARTIAL_SHARE = 0.25  # the float32 partials' traffic allowed, as a share of the weight's bytes
 # How a split product's partials are added: "in-kernel" (the last split of each tile adds them) or "kernel" (a
 # second launch, _sum_splits_kernel).
-SPLIT_REDUCE = "in-kernel"
+SPLIT_REDUCE = "kernel"
 COUNTERS = 4096  # output tiles a layer's counters cover; a product with more (never split in practice) takes "kernel"
 
 
@@ -60,24 +61,25 @@ def _w4a16_kernel(x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr,
     row_ok = rows < M
     col_ok = cols < N
     words = tl.arange(0, 16)
+    nibbles = tl.arange(0, 8)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for step in range(0, blocks_per_split):
         block = split * blocks_per_split + step
         packed = tl.load(qweight_ptr + (block * 16 + words)[:, None] * N + cols[None, :], mask=col_ok[None, :],
                          other=0)
-        for j in tl.static_range(8):
-            k0 = block * 128 + j * 16
-            group = k0 // GROUP  # 16 features never straddle a group (groups are multiples of 16)
-            scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-            zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32) + 8388608.0
-            # 0x4B000000 is 2^23 as a float32: or-ing q into its mantissa gives 2^23 + q without a conversion.
-            q = ((packed >> (4 * j)) & 0xF) | 0x4B000000
-            w = (q.to(tl.float32, bitcast=True) - zero[None, :]) * scale[None, :]
-            features = k0 + words
-            if HAS_PERM:  # act-order: the kernel's feature i is x's column perm[i]
-                features = tl.load(perm_ptr + features)
-            x = tl.load(x_ptr + rows[:, None] * stride_x + features[None, :], mask=row_ok[:, None], other=0.0)
-            acc += tl.dot(x, w.to(x.dtype))
+        # Nibble j of word r is the block's feature 16 j + r: [8, 16, BLOCK_N] in feature order, one dot of 128.
+        groups = (block * 128 + nibbles * 16) // GROUP  # 16 features never straddle a group
+        scale = tl.load(scales_ptr + groups[:, None] * N + cols[None, :], mask=col_ok[None, :], other=0.0)
+        zero = tl.load(zeros_ptr + groups[:, None] * N + cols[None, :], mask=col_ok[None, :], other=0.0)
+        # 0x4B000000 is 2^23 as a float32: or-ing q into its mantissa gives 2^23 + q without a conversion.
+        q = ((packed[None, :, :] >> (4 * nibbles)[:, None, None]) & 0xF) | 0x4B000000
+        w = ((q.to(tl.float32, bitcast=True) - (zero.to(tl.float32) + 8388608.0)[:, None, :])
+             * scale.to(tl.float32)[:, None, :])
+        features = block * 128 + tl.arange(0, 128)
+        if HAS_PERM:  # act-order: the kernel's feature i is x's column perm[i]
+            features = tl.load(perm_ptr + features)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + features[None, :], mask=row_ok[:, None], other=0.0)
+        acc += tl.dot(x, tl.reshape(w, (128, BLOCK_N)).to(x.dtype))
     ok = row_ok[:, None] & col_ok[None, :]
     if not PARTIAL:
         _finish(acc, bias_ptr, out_ptr, rows, cols, ok, col_ok, stride_out, HAS_BIAS)
@@ -167,6 +169,14 @@ def matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
         _sum_splits[(m, triton.cdiv(n, REDUCE_BLOCK))](partial, bias_arg, out, m, n, out.stride(0), SPLITS=splits,
                                                       BLOCK=REDUCE_BLOCK, HAS_BIAS=has_bias, num_warps=4)
     return out
+
+
+def sum_splits(partial: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [M, N] = the float32 partials [splits, M, N] added in split order (+ bias), in out's dtype."""
+    splits, m, n = partial.shape
+    has_bias = bias is not None
+    _sum_splits[(m, triton.cdiv(n, REDUCE_BLOCK))](partial, bias if has_bias else partial, out, m, n, out.stride(0),
+                                                  SPLITS=splits, BLOCK=REDUCE_BLOCK, HAS_BIAS=has_bias, num_warps=4)
 
 
 def split_counters(device: torch.device) -> torch.Tensor:

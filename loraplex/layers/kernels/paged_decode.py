@@ -52,6 +52,8 @@ def _paged_decode_kernel(
     if HAS_ALIBI:
         slopes = tl.load(slopes_ptr + heads, mask=head_ok, other=0.0)
     score_scale = scale
+    if FP8 and not IEEE:  # float16 products over the float16-widened cache (q's values are far inside its range)
+        q = q.to(tl.float16)
     if FP8:  # kv_scales [2, Hkv]: the keys' row, then the values'
         score_scale = scale * tl.load(kv_scales_ptr + kv_head)
         v_scale = tl.load(kv_scales_ptr + tl.num_programs(1) + kv_head)
@@ -70,7 +72,7 @@ def _paged_decode_kernel(
         kv_mask = visible[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        if FP8:
+        if FP8:  # e4m3 widens to float16 in one instruction (to bfloat16 it takes several): q is float16 here too
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         if IEEE:
