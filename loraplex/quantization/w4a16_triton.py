@@ -30,8 +30,8 @@ REDUCE_BLOCK = 256
 # Launch shapes, guesses until measured (benchmarks/w4a16_kernels.py sweeps both and prints the best):
 PROGRAMS_PER_SM = 8  # programs wanted for a decode-sized product: several per SM keep enough loads in flight
 # (most rows, BLOCK_M, BLOCK_N, num_warps): the first entry whose most rows is >= M (None: any); tl.dot needs 16 rows.
-TILES = [(16, 16, 64, 4), (32, 32, 64, 4), (64, 64, 64, 4), (None, 64, 128, 8)]
-PARTIAL_SHARE = 0.25  # the float32 partials' traffic allowed, as a share of the weight's bytes
+TILES = [(16, 16, 128, 4), (32, 32, 128, 4), (64, 64, 64, 4), (None, 64, 128, 8)]
+PARTIAL_SHARE = 1.0  # the float32 partials' traffic allowed, as a share of the weight's bytes
 # How a split product's partials are added: "in-kernel" (the last split of each tile adds them) or "kernel" (a
 # second launch, _sum_splits_kernel).
 SPLIT_REDUCE = "kernel"

@@ -89,10 +89,25 @@ def test_padded_rows_are_zeros_and_leave_the_product_alone():
     torch.testing.assert_close(padded.float(), unpadded.float(), atol=1e-2 * unpadded.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_decode_rows_take_the_weight_only_kernel(rows, bias):
+    """Up to 16 rows read the e4m3 weight directly (fp8_gemv): x unquantized times the dequantized weight."""
+    layer = quantize_linear(float_linear(1024, 768, bias=bias), DEVICE, DTYPE)
+    x = torch.randn(rows, 1024, device=DEVICE, dtype=DTYPE)
+    want = x.float() @ layer.dequantized().t() + (layer.bias.float() if bias else 0)
+    got = layer(x)
+    assert got.dtype == DTYPE
+    torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(), rtol=0)
+    layer.weight_only_decode = False
+    assert not torch.equal(layer(x), got)  # the other path, quantized activations, rounds otherwise
+
+
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("rows", [1, 8, 33])
 def test_scaled_mm_equals_the_emulated_product(rows, static):
     layer = quantize_linear(float_linear(1024, 768, bias=True), DEVICE, DTYPE)
+    layer.weight_only_decode = False  # every row count through _scaled_mm (the decode kernel: the test below)
     if static:
         layer.input_scale = torch.nn.Parameter(torch.tensor(0.02, device=DEVICE), requires_grad=False)
     assert numerics.scaled_mm_usable(layer.weight.device, 1024, 768) and layer.activation_quant == "triton"
