@@ -27,7 +27,7 @@ from loraplex.kernels.launch import Launcher
 PACK_BLOCK = 128  # input features per packed block (w4a16.KERNEL_BLOCK)
 WORDS = PACK_BLOCK // 8
 REDUCE_BLOCK = 256
-# Launch shapes, guesses until measured (benchmarks/w4a16_kernels.py sweeps both and prints the best):
+# Launch shapes, from the sweep of benchmarks/w4a16_kernels.py on an H200 (each M range its best):
 PROGRAMS_PER_SM = 8  # programs wanted for a decode-sized product: several per SM keep enough loads in flight
 # (most rows, BLOCK_M, BLOCK_N, num_warps): the first entry whose most rows is >= M (None: any); tl.dot needs 16 rows.
 TILES = [(16, 16, 128, 4), (32, 32, 128, 4), (64, 64, 64, 4), (None, 64, 128, 8)]
