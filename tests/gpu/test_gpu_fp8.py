@@ -150,7 +150,7 @@ def ours(path):
 
 def prompts(n: int) -> list[list[int]]:
     rng = random.Random(0)
-    return [[rng.randrange(4, 400) for _ in range(rng.randint(8, 60))] for _ in range(n)]
+    return [[rng.randrange(4, 300) for _ in range(rng.randint(8, 60))] for _ in range(n)]
 
 
 def test_quantize_fp8_on_cuda_under_graphs_with_adapters(saved, tmp_path, monkeypatch):
