@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.fil
 DEVICE, DTYPE = "cuda", torch.bfloat16
 SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2)
-PROMPT = [1, 17, 203, 45, 9, 88, 130, 7, 251, 64, 3, 99, 180, 42, 5, 77, 211, 8, 150, 33, 120, 2048, 4000, 3071]
+PROMPT = [1, 17, 203, 45, 9, 88, 130, 7, 251, 64, 3, 99, 180, 42, 5, 77, 211, 8, 150, 33, 120, 248, 390, 371]
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
