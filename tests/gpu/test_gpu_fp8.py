@@ -158,7 +158,12 @@ def test_quantize_fp8_on_cuda_under_graphs_with_adapters(saved, tmp_path, monkey
 
     hf, path = saved
     model, config = ours(path)
-    assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == 7 * SHAPE["num_hidden_layers"]
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert len(layers) == 7 * SHAPE["num_hidden_layers"]
+    # The model against its references through _scaled_mm (quantized activations) alone: decode rows would take the
+    # weight-only kernel, which rounds otherwise (its own test: test_decode_rows_take_the_weight_only_kernel).
+    for layer in layers:
+        layer.weight_only_decode = False
     got = full_logits(model, config, PROMPT, DEVICE)
     with monkeypatch.context() as patched:  # the same model, its products emulated
         patched.setattr(numerics, "scaled_mm_usable", lambda *args: False)
@@ -180,6 +185,8 @@ def test_quantize_fp8_on_cuda_under_graphs_with_adapters(saved, tmp_path, monkey
     assert (with_lora - want).abs().max() <= tolerance(want), "LoRA on FP8 differs from PEFT"
     assert (with_lora - got).abs().max() > 4 * tolerance(want), "the adapter barely matters"
 
+    for layer in layers:  # served as it is served: decode rows through the weight-only kernel
+        layer.weight_only_decode = True
     engine = engine_for(model, config, device=DEVICE, dtype=DTYPE, max_batch_total_tokens=4096, max_active_adapters=2)
     fused = model.model.layers[0].self_attn.fused_projections[("q_proj", "k_proj", "v_proj")]
     assert isinstance(fused.layer, Fp8Linear)  # the runner fused the FP8 siblings
