@@ -78,7 +78,7 @@ class Fp8Linear(QuantizedLinear):
             out = rows.new_empty(0, self.out_features)
         elif (self.weight_only_decode and rows.shape[0] <= WEIGHT_ONLY_MAX_ROWS and self.in_features % 128 == 0
               and triton_available(x.device)):
-            from loraplex.quantization import fp8_gemv
+            import loraplex.quantization.fp8_gemv as fp8_gemv
 
             return fp8_gemv.matmul(rows, self.weight, self.weight_scale, self.bias).view(*x.shape[:-1], self.out_features)
         else:
