@@ -88,8 +88,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=_env("CHAT_TEMPLATE"),
                    help="a Jinja chat template file (for checkpoints that ship none, e.g. MPT)")
     p.add_argument("--quantize", default=_env("QUANTIZE"), choices=QUANTIZE_CHOICES,
-                   help="quantize the base model's linears with bitsandbytes: int8 (LLM.int8), nf4 or fp4 "
-                        "(LoRA adapters run on top in the model's dtype)")
+                   help="quantize a float checkpoint's linears as it loads: bitsandbytes int8 (LLM.int8), nf4 or fp4, "
+                        "or fp8 (e4m3, CUDA compute capability 8.9+); pre-quantized GPTQ, AWQ, FP8 and "
+                        "compressed-tensors checkpoints load as published without it (LoRA adapters run on top in "
+                        "the model's dtype)")
     p.add_argument("--kv-cache-dtype", default=_env("KV_CACHE_DTYPE", "auto"), choices=KV_CACHE_DTYPES,
                    help="what the paged KV cache stores: auto (the model's dtype) or fp8 (e4m3 with per-layer scales: "
                         "half the bytes of bfloat16, twice the tokens; CPU, or CUDA compute capability 8.9+)")
