@@ -13,6 +13,8 @@ import logging
 import random
 import time
 
+import torch
+
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.containment import execute_contained, failed_install_results
 from loraplex.engine.adapters import EngineAdapters
@@ -85,6 +87,7 @@ class Engine:
             graphs=GraphSettings(min(config.max_num_seqs, GRAPH_BATCH_SIZES[-1]), self.max_total_tokens)
             if graphed else None, kv_cache_dtype=self.kv_cache_dtype,
         )
+        _apply_checkpoint_kv_scales(self, loaded)
         if self.runner.decode_graphs is not None:  # a step that admits runs eagerly: joins wait a little (joins.py)
             self.scheduler.joins = WaitingJoins(config.max_waiting_tokens, config.waiting_served_ratio)
         # At the first grammar the runner starts masking rows by their grammars (a function of the runner, not a
@@ -402,3 +405,14 @@ def _graphs_allowed(loaded: LoadedModel) -> bool:
     if blocker is not None and loaded.device.type == "cuda":
         log.warning("decode steps run without CUDA graphs: %s", blocker)
     return blocker is None
+
+
+def _apply_checkpoint_kv_scales(engine: "Engine", loaded: LoadedModel) -> None:
+    """A quantized checkpoint's calibrated KV-cache scales into an FP8 cache; with another cache they have no use."""
+    if not loaded.kv_scales:
+        return
+    if engine.kv_cache_dtype == torch.float8_e4m3fn:
+        engine.set_kv_scales(loaded.kv_scales)
+        log.info("FP8 KV cache: the checkpoint's scales for %d layers", len(loaded.kv_scales))
+    else:
+        log.warning("the checkpoint's KV-cache scales apply with --kv-cache-dtype fp8 only: not used")

@@ -20,7 +20,9 @@ from loraplex.models.registry import config_from_hf, model_class
 from loraplex.quantization import (
     QuantizationError, check_quantize, move_unquantized, quantize_model, weight_bytes,
 )
-from loraplex.quantization.checkpoint_format import CheckpointFormat, checkpoint_format, replace_quantized_linears
+from loraplex.quantization.checkpoint_format import (
+    CheckpointFormat, checkpoint_format, kv_cache_scales, replace_quantized_linears,
+)
 from loraplex.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,6 +39,8 @@ class LoadedModel:
     # The model's Hugging Face processor (image resizing, tiling, placeholder expansion) when it
     # takes images; None for text-only models.
     processor: Any = None
+    # A quantized checkpoint's calibrated KV-cache scales, {layer index: (k_scale, v_scale)}: an FP8 cache uses them.
+    kv_scales: dict | None = None
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -127,6 +131,7 @@ def load_model(
         keep_float32=float32_names(model_config, dtype),
         keep_stored=published.keeps_stored_dtype if published is not None else None,
     )
+    kv_scales = kv_cache_scales(state) if published is not None else {}
     model = build_model(model_config, state, published, device, dtype)
     if published is not None:
         log(f"read {published.name} weights; they take {weight_bytes(model) / 2**30:.2f} GiB")
@@ -141,7 +146,7 @@ def load_model(
     takes_images = model_config.vision is not None or model_config.mllama is not None
     processor = _processor(source) if takes_images else None
     log(f"model loaded in {time.perf_counter() - started:.1f}s")
-    return LoadedModel(model, model_config, tokenizer, device, dtype, source.model_id, processor)
+    return LoadedModel(model, model_config, tokenizer, device, dtype, source.model_id, processor, kv_scales or None)
 
 
 def _processor(source: ModelSource):

@@ -10,6 +10,7 @@ the rest: every other tensor (embeddings, norms, biases, an unquantized head) lo
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import torch
@@ -42,6 +43,27 @@ def checkpoint_format(hf_config: dict) -> CheckpointFormat | None:
         f"config.json: quantization_config {method!r} is not served; loraplex reads gptq, awq, fp8 and "
         "compressed-tensors (float-quantized FP8, pack-quantized W4A16) checkpoints"
     )
+
+
+# An attention layer's calibrated KV-cache scales, as checkpoints name them: compressed-tensors' `self_attn.k_scale`
+# (and its older `k_proj.output_scale`), AutoFP8's single `kv_scale` for both.
+_KV_SCALE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:(k|v)_scale|(k|v)_proj\.output_scale|(kv)_scale)$")
+
+
+def kv_cache_scales(state: dict[str, torch.Tensor]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The KV-cache scales a checkpoint holds, {layer index: (k_scale, v_scale)} (float32, on the host), taken out
+    of `state`; {} when it holds none. A layer with a key scale and no value scale (or the reverse) is refused."""
+    found: dict[int, dict[str, torch.Tensor]] = {}
+    for name in [n for n in state if _KV_SCALE.search(n)]:
+        match = _KV_SCALE.search(name)
+        which = match.group(2) or match.group(3) or "kv"
+        value = state.pop(name).detach().to("cpu", torch.float32).reshape(-1)
+        for kind in ("k", "v") if which == "kv" else (which,):
+            found.setdefault(int(match.group(1)), {})[kind] = value
+    incomplete = sorted(i for i, kinds in found.items() if len(kinds) != 2)
+    if incomplete:
+        raise QuantizationError(f"layer {incomplete[0]} has a KV-cache scale for keys or values only")
+    return {i: (kinds["k"], kinds["v"]) for i, kinds in sorted(found.items())}
 
 
 def replace_quantized_linears(

@@ -220,6 +220,36 @@ def test_fp8_per_tensor_static_checkpoint(hf, tmp_path):
     check_against(loaded, with_fp8_inputs(reference, {n: STATIC_INPUT_SCALE for n, _ in hf.named_modules()}), hf)
 
 
+def test_a_checkpoints_kv_cache_scales_go_into_an_fp8_cache(hf, tmp_path, caplog):
+    """Calibrated KV-cache scales (compressed-tensors' `self_attn.k_scale` / `v_scale`; AutoFP8's one `kv_scale`)
+    are the FP8 cache's scales; with the model's-dtype cache they are said unused, and the model still loads."""
+    from safetensors.torch import load_file, save_file
+
+    from loraplex.engine.engine import Engine
+
+    path = write_fp8(hf, tmp_path, {"quant_method": "fp8", "activation_scheme": "dynamic"}, None, "weight_scale")
+    state = load_file(path / "model.safetensors")
+    state["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    state["model.layers.0.self_attn.v_scale"] = torch.tensor(0.25)
+    state["model.layers.1.self_attn.kv_scale"] = torch.tensor(2.0)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    fp8_cache = Engine.from_config(EngineConfig(model_id=str(path), device="cpu", kv_cache_dtype="fp8",
+                                                max_batch_total_tokens=256), log=lambda _: None)
+    scales = [fp8_cache.runner.kv_caches[i].scales for i in (0, 1)]
+    assert torch.equal(scales[0][0], torch.full_like(scales[0][0], 0.5))
+    assert torch.equal(scales[0][1], torch.full_like(scales[0][1], 0.25))
+    assert torch.equal(scales[1], torch.full_like(scales[1], 2.0))
+    with caplog.at_level("WARNING"):
+        plain = Engine.from_config(EngineConfig(model_id=str(path), device="cpu", max_batch_total_tokens=256),
+                                   log=lambda _: None)
+    assert plain.runner.kv_caches[0].__class__.__name__ != "LayerKVCache" or plain.runner.kv_caches[0].scales is None
+    assert any("apply with --kv-cache-dtype fp8 only" in r.message for r in caplog.records)
+    del state["model.layers.0.self_attn.v_scale"]
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="layer 0 has a KV-cache scale for keys or values only"):
+        load_model(EngineConfig(model_id=str(path), device="cpu"), log=lambda _: None)
+
+
 # ---- --quantize fp8 and LoRA on top ------------------------------------------------------------------------
 
 
