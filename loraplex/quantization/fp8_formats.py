@@ -7,8 +7,8 @@
   tensor when `weight_block_size` is null; a static scheme's `activation_scale`), and the older per-tensor form
   (AutoFP8, vLLM: no `weight_block_size` key; `weight_scale`, and `input_scale` when static).
 
-A KV-cache scheme's scales (`k_scale`, `v_scale`) are accepted and not used: the cache stays in the compute dtype;
-the scheme is kept in `extras["kv_cache_scheme"]`.
+A KV-cache scheme's scales (`k_scale`, `v_scale`) are taken by the loader (checkpoint_format.kv_cache_scales) for an
+FP8 cache (`--kv-cache-dtype fp8`); the scheme is kept in `extras["kv_cache_scheme"]`.
 """
 
 from __future__ import annotations
