@@ -20,10 +20,10 @@ import torch
 from loraplex.config import EngineConfig
 from loraplex.engine.loading import load_model
 from loraplex.lora.table import AdapterTable
-from loraplex.params import SamplingParams
 from loraplex.quantization import fp8_numerics as numerics
 from loraplex.quantization.fp8 import quantize_linear
 from loraplex.quantization.fp8_layers import Fp8Linear
+from tests.gpu.quantized_llama import DEVICE, DTYPE, PARAMS, SHAPE, tolerance
 from tests.helpers import engine_for, full_logits, tiny_hf_model
 from tests.lora.peft_helpers import ALL_PROJECTIONS, peft_model, save_and_load
 
@@ -36,15 +36,8 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 
-DEVICE, DTYPE = "cuda", torch.bfloat16
-SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2)
+# The prompt inside this file's trained tokenizer's vocabulary (400 ids).
 PROMPT = [1, 17, 203, 45, 9, 88, 130, 7, 251, 64, 3, 99, 180, 42, 5, 77, 211, 8, 150, 33, 120, 248, 390, 371]
-PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
-
-
-def tolerance(expected: torch.Tensor) -> float:
-    return 6e-2 * max(1.0, expected.abs().max().item())  # bfloat16, as tests/gpu/test_gpu_parity.py
 
 
 def float_linear(inputs: int, outputs: int, bias: bool = False) -> torch.nn.Linear:

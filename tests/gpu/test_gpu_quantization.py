@@ -19,8 +19,8 @@ from loraplex.checkpoints.weights import load_state_dict
 from loraplex.engine.loading import build_model
 from loraplex.models.registry import config_from_hf
 from loraplex.lora.table import AdapterTable
-from loraplex.params import SamplingParams
 from loraplex.quantization import is_quantized, quantize_model, weight_bytes
+from tests.gpu.quantized_llama import DEVICE, DTYPE, NEW, PARAMS, PROMPT, SHAPE, tolerance
 from tests.helpers import engine_for, full_logits, tiny_hf_model
 from tests.lora.peft_helpers import ALL_PROJECTIONS, peft_model, save_and_load
 
@@ -32,17 +32,7 @@ pytest.importorskip("bitsandbytes")
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 
-DEVICE, DTYPE = "cuda", torch.bfloat16
 MODES = ["bitsandbytes", "bitsandbytes-nf4"]
-SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2)
-PROMPT = [1, 17, 203, 45, 9, 88, 130, 7, 251, 64, 3, 99, 180, 42, 5, 77, 211, 8, 150, 33, 120, 2048, 4000, 3071]
-NEW = 12
-PARAMS = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-
-
-def tolerance(expected: torch.Tensor) -> float:
-    return 6e-2 * max(1.0, expected.abs().max().item())  # bfloat16, as tests/gpu/test_gpu_parity.py
 
 
 @pytest.fixture(scope="module")

@@ -77,15 +77,6 @@ FAMILIES = {  # name -> (tiny transformers model, the linears an adapter targets
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models: a second intra-op thread gains nothing and spin-waits on a shared CPU (see test_peft_parity)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def bnb_config(mode: str, dtype: torch.dtype):
     if mode == "bitsandbytes":
         return transformers.BitsAndBytesConfig(load_in_8bit=True)

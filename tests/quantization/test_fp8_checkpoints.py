@@ -47,14 +47,6 @@ NEW = PARAMS.max_new_tokens
 STATIC_INPUT_SCALE = 0.02  # the FP8 preset's input scale, as calibration would set it: saturates past 8.96
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---- writing the checkpoints -------------------------------------------------------------------------------
 
 

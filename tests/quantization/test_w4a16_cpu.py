@@ -50,14 +50,6 @@ CASES = {  # id -> (format, group size, symmetric, act-order)
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def hf():
     return tiny_hf_model("llama", seed=3, **SHAPE)
