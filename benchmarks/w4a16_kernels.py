@@ -20,45 +20,20 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 from typing import Callable
 
 import torch
 from torch.nn import functional as F
 
+from benchmarks.graph_timing import graph_time_us, weight_copies
 from loraplex.quantization import w4a16_tinygemm, w4a16_triton
+from loraplex.quantization.split_k import split_counters
 from loraplex.quantization.w4a16 import pack_int4, quantize_groups
 
 # (name, in_features, out_features, how many a Llama-3.1-8B layer has)
 SHAPES = [("qo", 4096, 4096, 2), ("kv", 4096, 1024, 2), ("gate_up", 4096, 14336, 2), ("down", 14336, 4096, 1)]
 HBM_BYTES_PER_S = 4.8e12
-L2_BYTES = 60 * 2**20  # H200: 50 MiB; the copies rotated through add up to 4x this at least
 DTYPE = torch.bfloat16
-
-
-def graph_time_us(calls: list[Callable[[], object]], target_ms: float = 30.0) -> float:
-    """Microseconds per call: `calls` captured in one CUDA graph, replayed until `target_ms` passed."""
-    for call in calls[:2]:  # compile / load outside the capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    rounds = max(3, math.ceil(target_ms / max(start.elapsed_time(end), 1e-3)))
-    start.record()
-    for _ in range(rounds):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    del graph
-    return start.elapsed_time(end) * 1e3 / (rounds * len(calls))
 
 
 class Case:
@@ -72,20 +47,14 @@ class Case:
         self.scales, self.zeros = scales.to(DTYPE), zeros.to(DTYPE)
         self.dequantized = ((q.float() - self.zeros.float().repeat_interleave(group, 0))
                             * self.scales.float().repeat_interleave(group, 0)).t().to(DTYPE).contiguous()
-        self.bf16 = self._copies([self.dequantized])
-        self.triton = self._copies([pack_int4(q, w4a16_triton.PACK_BLOCK), self.scales, self.zeros])
-        self.counters = w4a16_triton.split_counters(device)  # shared by the copies: their calls run in turn
+        self.bf16 = weight_copies([self.dequantized])
+        self.triton = weight_copies([pack_int4(q, w4a16_triton.PACK_BLOCK), self.scales, self.zeros])
+        self.counters = split_counters(device)  # shared by the copies: their calls run in turn
         try:
-            self.tinygemm = self._copies(list(w4a16_tinygemm.pack(q, self.zeros, self.scales)))
+            self.tinygemm = weight_copies(list(w4a16_tinygemm.pack(q, self.zeros, self.scales)))
             self.tinygemm_error = None
         except Exception as exc:  # noqa: BLE001 - reported in the table
             self.tinygemm, self.tinygemm_error = None, " ".join(str(exc).split())[:120]
-
-    @staticmethod
-    def _copies(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        size = sum(t.numel() * t.element_size() for t in tensors)
-        count = max(2, math.ceil(4 * L2_BYTES / size))
-        return [tensors] + [[t.clone() for t in tensors] for _ in range(count - 1)]
 
     @staticmethod
     def bytes_of(copies: list[list[torch.Tensor]]) -> int:

@@ -108,9 +108,9 @@ class W4A16Linear(QuantizedLinear):
             self.register_buffer("qweight", pack_int4(q, self.pack_block), persistent=False)
         counters = None
         if self.kernel == "triton":
-            from loraplex.quantization import w4a16_triton
+            from loraplex.quantization.split_k import split_counters
 
-            counters = w4a16_triton.split_counters(q.device)
+            counters = split_counters(q.device)
         self.register_buffer("split_counters", counters, persistent=False)
 
     @classmethod

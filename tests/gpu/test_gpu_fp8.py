@@ -20,10 +20,12 @@ import torch
 from loraplex.config import EngineConfig
 from loraplex.engine.loading import load_model
 from loraplex.lora.table import AdapterTable
+from loraplex.quantization import fp8_gemv
 from loraplex.quantization import fp8_numerics as numerics
 from loraplex.quantization.fp8 import quantize_linear
 from loraplex.quantization.fp8_layers import Fp8Linear
-from tests.gpu.quantized_llama import DEVICE, DTYPE, PARAMS, SHAPE, tolerance
+from loraplex.quantization.split_k import split_counters
+from tests.gpu.quantized_llama import DEVICE, DTYPE, PARAMS, SHAPE, assert_batch_matches_solo, tolerance
 from tests.helpers import engine_for, full_logits, tiny_hf_model
 from tests.lora.peft_helpers import ALL_PROJECTIONS, peft_model, save_and_load
 
@@ -82,14 +84,21 @@ def test_padded_rows_are_zeros_and_leave_the_product_alone():
     torch.testing.assert_close(padded.float(), unpadded.float(), atol=1e-2 * unpadded.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("in_kernel", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_decode_rows_take_the_weight_only_kernel(rows, bias):
-    """Up to 16 rows read the e4m3 weight directly (fp8_gemv): x unquantized times the dequantized weight."""
+def test_decode_rows_take_the_weight_only_kernel(monkeypatch, rows, bias, in_kernel):
+    """Up to 16 rows read the e4m3 weight directly (fp8_gemv, its "rows" kernel for one row, "dot" for more; the
+    split partials added by a second launch or in the kernel): x unquantized times the dequantized weight."""
+    monkeypatch.setattr(fp8_gemv, "IN_KERNEL_REDUCE", in_kernel)
     layer = quantize_linear(float_linear(1024, 768, bias=bias), DEVICE, DTYPE)
     x = torch.randn(rows, 1024, device=DEVICE, dtype=DTYPE)
     want = x.float() @ layer.dequantized().t() + (layer.bias.float() if bias else 0)
-    got = layer(x)
+    counters = split_counters(torch.device(DEVICE))
+    got = fp8_gemv.matmul(x, layer.weight, layer.weight_scale, layer.bias, counters)
+    assert torch.equal(layer(x), got) and int(counters.abs().sum()) == 0
+    assert all(torch.equal(fp8_gemv.matmul(x, layer.weight, layer.weight_scale, layer.bias, counters), got)
+               for _ in range(20)), "split partials are added in one order"
     assert got.dtype == DTYPE
     torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(), rtol=0)
     layer.weight_only_decode = False
@@ -187,8 +196,10 @@ def test_quantize_fp8_on_cuda_under_graphs_with_adapters(saved, tmp_path, monkey
     fused = model.model.layers[0].self_attn.fused_projections[("q_proj", "k_proj", "v_proj")]
     assert isinstance(fused.layer, Fp8Linear)  # the runner fused the FP8 siblings
     ps = prompts(6)
-    adapters = [adapter, None] * 3
-    together = [o.token_ids for o in engine.generate(ps, PARAMS, adapters=adapters)]
-    solo = [engine.generate([p], PARAMS, adapters=[a])[0].token_ids for p, a in zip(ps, adapters)]
+    # Where a request's tokens alone part from its tokens in the batch, it is at a near tie: the batch's and the
+    # lone request's products sum in other orders (other kernels for other row counts), and the next layer
+    # re-quantizes its activations to e4m3, where one rounding flip moves a value a whole e4m3 step (6%); this
+    # random model's top two tokens are often within 0.01 nats of each other.
+    equal = assert_batch_matches_solo(engine, ps, PARAMS, [adapter, None] * 3, near_tie=0.1)
+    assert equal >= len(ps), "hardly a token compared"
     assert engine.runner.decode_graphs.num_captured >= 1
-    assert sum(t == s for t, s in zip(together, solo)) >= len(ps) - 1, (together, solo)

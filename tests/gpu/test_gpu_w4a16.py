@@ -16,7 +16,7 @@ from loraplex.engine.loading import build_model
 from loraplex.lora.table import AdapterTable
 from loraplex.models.registry import config_from_hf
 from loraplex.quantization import weight_bytes
-from loraplex.quantization import w4a16, w4a16_triton
+from loraplex.quantization import w4a16, w4a16_rows, w4a16_triton
 from loraplex.quantization.checkpoint_format import checkpoint_format
 from loraplex.quantization.w4a16 import W4A16Linear
 from tests.gpu.quantized_llama import DEVICE, DTYPE, PARAMS, PROMPT, SHAPE, tolerance
@@ -67,6 +67,7 @@ KERNEL_CASES = [("triton", torch.bfloat16, "in-kernel"), ("triton", torch.float1
 def test_kernel_matches_the_dequantized_reference(monkeypatch, kernel, dtype, split_reduce, group, k, n):
     if split_reduce is not None:
         monkeypatch.setattr(w4a16_triton, "SPLIT_REDUCE", split_reduce)
+        monkeypatch.setattr(w4a16_rows, "IN_KERNEL_REDUCE", split_reduce == "in-kernel")
     layer = layer_for(kernel, k, n, group, dtype, bias=group == 64, act_order=group == 32)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     for m in (1, 7, 16, 33, 64, 300):
@@ -81,11 +82,15 @@ def test_kernel_matches_the_dequantized_reference(monkeypatch, kernel, dtype, sp
     assert torch.equal(layer(x), layer(x)), "the same call twice must give the same result (no atomics)"
 
 
-def test_split_products_are_the_same_every_call():
+@pytest.mark.parametrize("rows", [1, 8])
+def test_split_products_are_the_same_every_call(monkeypatch, rows):
     """The in-kernel sum of split partials (an atomic counts the splits in) adds them in split order: a thousand
-    calls give one result, and the counters are back at zero after each."""
+    calls give one result, and the counters are back at zero after each (one row: w4a16_rows; more: the
+    tensor-core kernel)."""
+    monkeypatch.setattr(w4a16_triton, "SPLIT_REDUCE", "in-kernel")
+    monkeypatch.setattr(w4a16_rows, "IN_KERNEL_REDUCE", True)
     layer = layer_for("triton", 4096, 1024, 128, torch.bfloat16, bias=True)
-    x = torch.randn(1, 4096, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(rows, 4096, device=DEVICE, dtype=torch.bfloat16)
     first = layer(x)
     outs = torch.stack([layer(x) for _ in range(1000)])
     assert torch.equal(outs, first.expand_as(outs)) and int(layer.split_counters.abs().sum()) == 0
