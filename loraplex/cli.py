@@ -366,12 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=int, default=_env("MAX_REQUEST_BYTES", 32 * 1024 * 1024, int),
                        help="refuse request bodies larger than this (413), before parsing them")
     serve.add_argument("--api-key", action="append", default=_env("API_KEY", None, lambda v: v.split(",")),
-                       help="require this key (Authorization: Bearer KEY) on every route but /health (repeatable; "
-                            "the environment variable takes a comma-separated list)")
+                       help="require this key (Authorization: Bearer KEY) on every route but /health and /ping (GET, HEAD) "
+                            "and OPTIONS (repeatable; the environment variable takes a comma-separated list)")
     serve.add_argument("--otlp-endpoint", default=_env("OTLP_ENDPOINT"),
                        help="send a trace span per request to this OpenTelemetry collector, over OTLP/HTTP "
                             "(e.g. http://collector:4318; needs the otlp extra)")
-    serve.add_argument("--cors-allow-origin", action="append", default=_env("CORS_ALLOW_ORIGIN", None, lambda v: v.split(",")))
+    serve.add_argument("--cors-allow-origin", action="append", default=_env("CORS_ALLOW_ORIGIN", None, lambda v: v.split(",")),
+                       help="answer browsers from this origin (repeatable): preflights and every response, 401s "
+                            "included, carry the CORS headers")
     serve.add_argument("--preloaded-adapter-ids", nargs="+", default=_env("PRELOADED_ADAPTER_IDS", None, lambda v: v.split(",")),
                        help="adapters (of --adapter-source) loaded at start and listed by /v1/models")
     serve.add_argument("--max-cpu-adapters", type=int, default=_env("MAX_CPU_ADAPTERS", 64, int),

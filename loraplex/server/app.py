@@ -30,12 +30,12 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     state = ServerState(engine, config, Metrics(engine.engine), adapter_store(engine.engine, config))
     state.metrics.watch_admission(state.admission)
     app.state.loraplex = state
-    if state.config.cors_allow_origin:
+    if config.api_keys:
+        app.add_middleware(ApiKeys, keys=config.api_keys)
+    if state.config.cors_allow_origin:  # outside the keys: it answers preflights and marks their 401s
         app.add_middleware(
             CORSMiddleware, allow_origins=list(state.config.cors_allow_origin), allow_methods=["*"], allow_headers=["*"]
         )
-    if config.api_keys:
-        app.add_middleware(ApiKeys, keys=config.api_keys)
     app.add_middleware(CancelOnDisconnect, timeout_s=config.request_timeout_s, max_body_bytes=config.max_request_bytes)
     app.add_middleware(RequestLog)  # added last: outermost, so its line has the status CORS answered too
     install_error_handlers(app)

@@ -1,6 +1,8 @@
-"""`--api-key`: every route but /health answers only requests bearing one of the server's keys
-(`Authorization: Bearer KEY`, as OpenAI clients send their api_key). /health stays open for load balancers'
-probes. Keys are compared in constant time; a refusal says nothing about which keys exist.
+"""`--api-key`: every route but the health routes answers only requests bearing one of the server's keys
+(`Authorization: Bearer KEY`, as OpenAI clients send their api_key). `/health` and `/ping` (SageMaker's), GET or
+HEAD, stay open for load balancers' and orchestrators' probes, and so does every OPTIONS request: a browser's CORS
+preflight never carries credentials (with `--cors-allow-origin` the CORS layer, outside this one, answers it and
+puts its headers on a 401 too). Keys are compared in constant time; a refusal says nothing about which keys exist.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from typing import Sequence
 
 from loraplex.server.errors import error_for_path
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/ping")
 
 
 class ApiKeys:
@@ -19,7 +21,8 @@ class ApiKeys:
         self.keys = [key.encode() for key in keys]
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS or self._allowed(scope):
+        if (scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS"
+                or self._allowed(scope)):
             return await self.app(scope, receive, send)
         message = "a valid API key is required: send it as 'Authorization: Bearer KEY'"
         response = error_for_path(scope["path"], 401, message, "unauthorized", "authentication_error",

@@ -274,6 +274,7 @@ HEALTH_RECENT_STEP_S = 5.0
 
 
 @router.get("/health", responses=documented_errors(False, 503))
+@router.head("/health", include_in_schema=False)
 async def health(request: Request):
     state = get_state(request)
     if not state.engine.alive:
@@ -290,6 +291,7 @@ async def health(request: Request):
 
 
 @router.get("/ping", summary="SageMaker's health route (TGI's): as GET /health", responses=documented_errors(False, 503))
+@router.head("/ping", include_in_schema=False)
 async def ping(request: Request):
     return await health(request)
 
