@@ -125,6 +125,8 @@ def bad(client, **fields) -> dict:
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice", "'get_stock', which is not among"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", ""),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tool_choice": "none"}, "tool_choice", "needs tools"),
+    ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "at most one output constraint"),
     ({"messages": [{"role": "tool", "content": "21"}]}, "messages[0].tool_call_id", "needs tool_call_id"),
 ])

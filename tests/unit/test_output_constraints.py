@@ -79,6 +79,9 @@ def test_tool_choice_constraint_counts_as_one():
 @pytest.mark.parametrize("tools, choice, words", [
     ([tool("f")], {"type": "function", "function": {"name": "g"}}, "'g', which is not among the tools"),
     ([], "required", "needs tools"),
+    ([], "none", "tool_choice 'none' needs tools"),
+    (None, "auto", "needs tools"),
+    (None, {"type": "function", "function": {"name": "g"}}, "tool_choice 'g' needs tools"),
     ([tool("f"), tool("f")], "auto", "distinct function names"),
 ])
 def test_bad_tool_choices_are_refused(tools, choice, words):

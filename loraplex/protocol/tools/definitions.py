@@ -118,6 +118,10 @@ class ToolPlan:
         ]
 
 
+def _shown(choice: ToolChoice) -> str:
+    return repr(choice.function.name) if isinstance(choice, NamedToolChoice) else repr(choice)
+
+
 def plan_tools(tools: list[ToolDefinition] | None, choice: ToolChoice, parallel: bool | None) -> ToolPlan:
     """Check `tools` and `tool_choice` together (Unsupported naming the field) and say what to do."""
     tools = list(tools or [])
@@ -125,6 +129,8 @@ def plan_tools(tools: list[ToolDefinition] | None, choice: ToolChoice, parallel:
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:
         raise Unsupported(f"tools must have distinct function names; {duplicated[0]!r} is given twice", "tools")
+    if choice is not None and not tools:  # as OpenAI and vLLM answer: a choice among no tools is a mistake
+        raise Unsupported(f"tool_choice {_shown(choice)} needs tools; none are given", "tool_choice")
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             offered = ", ".join(names) or "none"
@@ -133,8 +139,6 @@ def plan_tools(tools: list[ToolDefinition] | None, choice: ToolChoice, parallel:
                 "tool_choice",
             )
         return ToolPlan("named", tools, choice.function.name)
-    if choice == "required" and not tools:
-        raise Unsupported("tool_choice 'required' needs tools", "tool_choice")
     if choice == "none" or not tools:
         return ToolPlan("none", tools)
     if choice == "required":
