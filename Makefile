@@ -37,7 +37,7 @@ $(TEST_STAMP): $(STAMP)
 	touch $(TEST_STAMP)
 
 serve: install
-	$(VENV)/bin/loraplex serve --hostname $(HOST) --port $(PORT) \
+	$(VENV)/bin/loraplex serve --hostname $(HOST) --port $(PORT) --default-max-tokens 256 \
 		--adapter-source local --adapter-root $(ADAPTER_ROOT) $(if $(ADAPTERS),--preloaded-adapter-ids $(ADAPTERS))
 
 test: install-test browser

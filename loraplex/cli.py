@@ -307,6 +307,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         adapter_access_ttl_s=args.adapter_access_ttl_s,
         media=_media_config(args),
         validation_workers=args.validation_workers,
+        default_max_tokens=args.default_max_tokens,
         request_timeout_s=args.request_timeout_s,
         max_request_bytes=args.max_request_bytes,
         api_keys=tuple(args.api_key or ()),
@@ -361,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-stop-sequences", type=int, default=_env("MAX_STOP_SEQUENCES", 4, int))
     serve.add_argument("--max-best-of", type=int, default=_env("MAX_BEST_OF", 2, int))
     serve.add_argument("--json-output", action="store_true", default=_env("JSON_OUTPUT", False, _truthy))
+    serve.add_argument("--default-max-tokens", type=_positive, default=_env("DEFAULT_MAX_TOKENS", None, _positive),
+                       help="cap what an OpenAI request without max_tokens generates (chat: up to the context "
+                            "limit otherwise; completions: 16)")
     serve.add_argument("--request-timeout-s", type=float, default=_env("REQUEST_TIMEOUT_S", None, float),
                        help="abort a request still running after this many seconds (504 when nothing was sent yet)")
     serve.add_argument("--max-request-bytes", type=int, default=_env("MAX_REQUEST_BYTES", 32 * 1024 * 1024, int),

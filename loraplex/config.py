@@ -239,6 +239,9 @@ class ServerConfig:
     max_stop_sequences: int = 4
     max_best_of: int = 2
     default_max_new_tokens: int = 20  # when a request names none
+    # OpenAI requests without max_tokens: chat generates up to the context limit, completions 16 tokens (OpenAI's
+    # defaults); this caps both when set (`--default-max-tokens`; off, as in vLLM).
+    default_max_tokens: int | None = None
     request_timeout_s: float | None = None  # a request still running after this long is aborted (504 if unanswered)
     api_keys: tuple[str, ...] = ()  # when set, every route but /health needs `Authorization: Bearer KEY`
     # Request bodies larger than this are refused (413) before they are parsed (TGI's --payload-limit). Images

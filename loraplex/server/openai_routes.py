@@ -174,7 +174,7 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> lis
             "echo with logprobs asks for the prompt's logprobs, which an encoder-decoder model does not define "
             "(its prompt is encoded, not predicted); drop echo or logprobs", "echo",
         )
-    max_tokens = body.max_tokens or 16
+    max_tokens = body.max_tokens or default_max_tokens(state, 16)
     params = sampling_params(state, body, max_tokens, body.logprobs or 0, wants_prompt_logprobs)
     tokenizer = state.tokenizer
     jobs = []
@@ -192,6 +192,12 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> lis
     return jobs
 
 
+def default_max_tokens(state: ServerState, api_default: int) -> int:
+    """What a request without max_tokens may generate: the API's default, within `--default-max-tokens`."""
+    cap = state.config.default_max_tokens
+    return api_default if cap is None else min(api_default, cap)
+
+
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[Job], ToolAnswers]:
     """The request's jobs, and how to read their answers (text, or tool calls)."""
     refusing(body.check)
@@ -207,7 +213,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
         raise BadRequest(f"messages cannot be turned into a prompt: {exc}", "messages") from exc
     ids, images = await encode_prompt(state, prompt, urls, False, "messages")
     room = state.core.max_total_tokens - state.core.inputs.sequence_tokens_of_prompt(len(ids))
-    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, room)
+    max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(state, max(1, room))
     check_prompt_and_budget(state, ids, max_tokens, "messages", "max_tokens")
     top_n = (body.top_logprobs or 0) if body.logprobs else 0
     params = sampling_params(state, body, max_tokens, top_n)

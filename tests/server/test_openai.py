@@ -362,3 +362,24 @@ def test_engine_failure_mid_stream_is_an_error_event_then_done(make_engine):
     assert data[-1] == "[DONE]" and "injected device failure" in json.loads(data[-2])["error"]["message"]
     assert {json.loads(d)["choices"][0]["index"] for d in data[:-2]} == {0, 1}  # both choices had started
     assert status_after == 200 and engine.scheduler.allocator.num_used == 0
+
+
+def test_default_max_tokens_caps_requests_that_name_none(embedded):
+    """--default-max-tokens: chat (else up to the context limit) and completions (else 16) without max_tokens stop
+    there; a request's own max_tokens still rules."""
+    from fastapi.testclient import TestClient
+
+    from loraplex.config import EngineConfig, ServerConfig
+    from loraplex.engine.async_engine import AsyncEngine
+    from loraplex.engine.engine import Engine
+    from loraplex.server.app import create_app
+
+    engine = Engine(embedded, EngineConfig(device="cpu", max_batch_total_tokens=2048))
+    with TestClient(create_app(AsyncEngine(engine), ServerConfig(default_max_tokens=3))) as http:
+        capped = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        chat = capped.chat.completions.create(model=MODEL, messages=HELLO, extra_body={"ignore_eos": True})
+        assert chat.usage.completion_tokens == 3 and chat.choices[0].finish_reason == "length"
+        text = capped.completions.create(model=MODEL, prompt="Once", extra_body={"ignore_eos": True})
+        assert text.usage.completion_tokens == 3
+        own = capped.completions.create(model=MODEL, prompt="Once", max_tokens=5, extra_body={"ignore_eos": True})
+        assert own.usage.completion_tokens == 5

@@ -56,6 +56,23 @@ def test_max_queued_tokens_is_off_by_default_and_comes_from_flag_or_environment(
         build_parser().parse_args(["serve", "--max-queued-tokens", "0"])
 
 
+def test_default_max_tokens_is_off_by_default_and_comes_from_flag_or_environment(monkeypatch):
+    assert build_parser().parse_args(["serve"]).default_max_tokens is None
+    assert build_parser().parse_args(["serve", "--default-max-tokens", "256"]).default_max_tokens == 256
+    monkeypatch.setenv("DEFAULT_MAX_TOKENS", "64")
+    assert build_parser().parse_args(["serve"]).default_max_tokens == 64
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--default-max-tokens", "0"])
+
+
+def test_make_serve_caps_openai_requests_without_max_tokens():
+    from pathlib import Path
+
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    serve = makefile.split("\nserve:", 1)[1].split("\n\n", 1)[0]
+    assert "--default-max-tokens 256" in serve
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--model-id", "/no/such/model"], "no such file or directory"),
     (["--device", "cuda"], "no CUDA device"),
