@@ -69,6 +69,30 @@ def read_header(path: str | os.PathLike, max_header_bytes: int = MAX_HEADER_BYTE
     return check_header(raw, size - 8 - n)
 
 
+def read_owned(path: str | os.PathLike, header: dict[str, TensorHeader],
+               max_header_bytes: int = MAX_HEADER_BYTES) -> bytes:
+    """The whole file, read into memory this process owns, and checked to be the file `header` (read_header's) was
+    read from: its own header equal, its length what that header says.
+
+    Never memory-mapped: a file truncated or replaced in place under a mapping (`cp new over/an/adapter`) kills
+    the process with SIGBUS at the first read of a page that is gone. Raises SafetensorsHeaderError when the file
+    changed since its header was read, OSError when it cannot be read."""
+    data_bytes = max((t.end for t in header.values()), default=0)
+    with open(path, "rb") as f:
+        data = f.read(8 + max_header_bytes + data_bytes + 1)  # a file longer than its header allows stops here
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    changed = SafetensorsHeaderError("the file changed while it was being read")
+    if not 0 <= n <= max_header_bytes or len(data) != 8 + n + data_bytes:
+        raise changed
+    try:
+        again = check_header(data[8:8 + n], data_bytes)
+    except SafetensorsHeaderError:
+        raise changed from None
+    if again != header:
+        raise changed
+    return data
+
+
 def check_header(raw: bytes, data_bytes: int) -> dict[str, TensorHeader]:
     """Check header JSON `raw` against a data section of `data_bytes` bytes (see `read_header`)."""
     header = _parse(raw)

@@ -27,8 +27,8 @@ def store(tmp_path):
 
 
 def test_an_honest_adapter_is_read_through_the_guarded_function(store, tmp_path, monkeypatch):
-    calls, real = [], safetensors.torch.load_file
-    monkeypatch.setattr(safetensors.torch, "load_file", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    calls, real = [], safetensors.torch.load
+    monkeypatch.setattr(safetensors.torch, "load", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     write_adapter(tmp_path / "root" / "a")
     assert store.load("a").max_rank == 4 and len(calls) == 1  # so the guard below guards the real read
 
@@ -37,7 +37,7 @@ def test_an_honest_adapter_is_read_through_the_guarded_function(store, tmp_path,
 def test_a_lying_header_is_refused_before_any_read(store, tmp_path, monkeypatch, data, words):
     path = write_adapter(tmp_path / "root" / "a")
     (path / ADAPTER_WEIGHTS).write_bytes(data)
-    with nothing_read(monkeypatch, safetensors.torch, "load_file"):
+    with nothing_read(monkeypatch, safetensors.torch, "load"):
         message = refused(store, "a")
     assert words in message
     assert f"adapter 'a': {ADAPTER_WEIGHTS} is not a valid safetensors file" in message
@@ -55,7 +55,7 @@ def test_a_lying_header_is_refused_before_any_read(store, tmp_path, monkeypatch,
 def test_tensors_that_do_not_fit_are_refused_before_the_data_is_read(store, tmp_path, monkeypatch, name, shape, words):
     tensors = {**lora_tensors(), name: torch.zeros(shape)}
     write_adapter(tmp_path / "root" / "a", tensors=tensors)
-    with nothing_read(monkeypatch, safetensors.torch, "load_file"):
+    with nothing_read(monkeypatch, safetensors.torch, "load"):
         message = refused(store, "a")
     assert name in message and words in message
 
@@ -63,7 +63,7 @@ def test_tensors_that_do_not_fit_are_refused_before_the_data_is_read(store, tmp_
 def test_integer_lora_factors_are_refused_from_the_header(store, tmp_path, monkeypatch):
     tensors = {**lora_tensors(), f"{Q0}.lora_A.weight": torch.zeros(4, 16, dtype=torch.int32)}
     write_adapter(tmp_path / "root" / "a", tensors=tensors)
-    with nothing_read(monkeypatch, safetensors.torch, "load_file"):
+    with nothing_read(monkeypatch, safetensors.torch, "load"):
         assert "has dtype I32; expected floats" in refused(store, "a")
 
 
@@ -74,3 +74,45 @@ def test_the_loader_names_no_path(tmp_path):
     with pytest.raises(Exception) as info:
         load_adapter_dir(path, "a", BASE, MAX_RANK)
     assert "cover" in str(info.value) and "secret-place" not in str(info.value)
+
+
+def test_a_file_cut_short_while_it_is_loaded_fails_that_load_and_nothing_else(store, tmp_path, monkeypatch):
+    """`cp new.safetensors over/an/adapter` truncates the file in place while a load reads it: that load is refused
+    (the bytes read are not the file whose header was checked), the store keeps serving."""
+    import loraplex.lora.adapter as adapter_module
+
+    path = write_adapter(tmp_path / "root" / "a") / ADAPTER_WEIGHTS
+    write_adapter(tmp_path / "root" / "b")
+    real_check = adapter_module.check_layout
+
+    def check_then_cut(*args, **kwargs):  # the header is read and checked; then the file shrinks
+        real_check(*args, **kwargs)
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size // 2)
+
+    monkeypatch.setattr(adapter_module, "check_layout", check_then_cut)
+    message = refused(store, "a")
+    assert "changed while it was being read" in message and str(tmp_path) not in message
+    monkeypatch.setattr(adapter_module, "check_layout", real_check)
+    assert store.load("b").max_rank == 4
+
+
+def test_a_file_cut_short_after_it_was_read_leaves_the_loaded_tensors_whole(store, tmp_path, monkeypatch):
+    """The tensors live in memory of the process's own, not in a mapping of the file: truncating the file while
+    they are being packed (which, mapped, killed the server with SIGBUS) changes nothing."""
+    import loraplex.lora.adapter as adapter_module
+
+    path = write_adapter(tmp_path / "root" / "a") / ADAPTER_WEIGHTS
+    original = safetensors.torch.load(path.read_bytes())  # not load_file: its tensors map the file
+    real_pack = adapter_module.adapter_from_tensors
+    seen = {}
+
+    def cut_then_pack(adapter_id, config, tensors, *args, **kwargs):
+        with open(path, "r+b") as f:
+            f.truncate(0)
+        seen.update({name: tensor.clone() for name, tensor in tensors.items()})
+        return real_pack(adapter_id, config, tensors, *args, **kwargs)
+
+    monkeypatch.setattr(adapter_module, "adapter_from_tensors", cut_then_pack)
+    assert store.load("a").max_rank == 4
+    assert seen.keys() == original.keys() and all(torch.equal(seen[k], original[k]) for k in original)
