@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import socket
@@ -190,6 +191,10 @@ def _load_engine(args: argparse.Namespace, show_progress: bool = False, log=None
     if args.trust_remote_code:
         raise UsageError("--trust-remote-code is not supported: loraplex runs its own implementation of each model "
                          "family (Llama, Mistral, Qwen2, MPT, LLaVA-NeXT, Mllama, T5, BART), never a checkpoint's code")
+    if args.max_input_length >= args.max_total_tokens:  # TGI refuses it too: no room for a generated token
+        raise UsageError(f"--max-input-length ({args.max_input_length}) must be < --max-total-tokens "
+                         f"({args.max_total_tokens}): a prompt that long leaves no room for a generated token")
+    _check_adapter_roots(args.adapter_root or ())
     device = args.device or ""
     if device.startswith("cuda"):
         import torch
@@ -207,6 +212,33 @@ def _load_engine(args: argparse.Namespace, show_progress: bool = False, log=None
         (log or _to_stderr)(f"warmed up: {report.requests} made-up requests, {report.graphs_captured} decode graphs "
                             f"captured, in {report.seconds:.1f}s")
     return engine
+
+
+def _check_adapter_roots(roots) -> None:
+    """Each --adapter-root is a directory this process can list and read (checked before any weight is read)."""
+    for root in roots:
+        if not os.path.isdir(root):
+            raise UsageError(f"--adapter-root {root}: {'not a directory' if os.path.exists(root) else 'no such directory'}")
+        if not os.access(root, os.R_OK | os.X_OK):
+            raise UsageError(f"--adapter-root {root}: not readable by this process")
+
+
+def _bound_socket(hostname: str, port: int) -> socket.socket:
+    """The server's socket, bound now (before the model loads: a port in use fails the start at once) and not yet
+    listening (connections are refused, not queued, until the server is ready)."""
+    try:
+        family = socket.getaddrinfo(hostname, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {hostname}:{port}: {exc.strerror or exc}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((hostname, port))
+    except OSError as exc:
+        sock.close()
+        why = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+        raise UsageError(f"cannot listen on {hostname}:{port}: {why}") from None
+    return sock
 
 
 def _to_stderr(message: str) -> None:
@@ -291,6 +323,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except TracingUnavailable as exc:
             raise UsageError(str(exc)) from exc
     logger = logging.getLogger("loraplex")
+    sock = _bound_socket(args.hostname, args.port)
     # --json-output: every line on stderr is a JSON object, so progress goes through the logger, without bars.
     engine = _load_engine(args, show_progress=not args.json_output, log=logger.info if args.json_output else None)
     server_config = ServerConfig(
@@ -314,11 +347,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     app = create_app(AsyncEngine(engine), server_config)
     freeze_start_up_heap()  # later full collections, which pause the engine thread, skip the model (heap.py)
-    # Bind before saying "ready": from that line on, connections queue in the backlog.
-    family = socket.getaddrinfo(args.hostname, args.port, type=socket.SOCK_STREAM)[0][0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.hostname, args.port))
+    # Listen before saying "ready": from that line on, connections queue in the backlog.
     sock.listen(2048)
     ready = (
         f"loraplex ready: {engine.model_id} on {engine.device} ({str(engine.dtype).removeprefix('torch.')}"

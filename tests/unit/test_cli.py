@@ -174,3 +174,35 @@ def test_serve_with_a_bad_environment_variable_exits_with_one_line(env, message)
     assert run.returncode == 2 and run.stdout == "" and "Traceback" not in run.stderr, run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"loraplex: error: {message}"), run.stderr
+
+
+def test_serve_checks_what_it_can_before_loading_a_weight(tmp_path):
+    """Each start-up mistake is one line and exit 2, before the model loads: the model named here does not exist,
+    so an error about it would mean the check came too late."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = str(taken.getsockname()[1])
+    unreadable = tmp_path / "locked"
+    unreadable.mkdir(mode=0o000)
+    cases = [
+        (["--port", port], f"cannot listen on 127.0.0.1:{port}: the port is in use"),
+        (["--adapter-root", str(tmp_path / "nonexistent")], "nonexistent: no such directory"),
+        (["--adapter-root", str(tmp_path / "file.txt")], "file.txt: not a directory"),
+        (["--max-input-length", "5000", "--max-total-tokens", "4096"],
+         "--max-input-length (5000) must be < --max-total-tokens (4096)"),
+    ]
+    (tmp_path / "file.txt").write_text("x")
+    if os.geteuid() != 0:  # root reads any directory
+        cases.append((["--adapter-root", str(unreadable)], "not readable by this process"))
+    try:
+        for flags, message in cases:
+            run = loraplex("serve", "--hostname", "127.0.0.1", "--model-id", str(tmp_path / "no-model"), *flags)
+            lines = [line for line in run.stderr.splitlines() if line.strip()]
+            assert run.returncode == 2 and len(lines) == 1 and "Traceback" not in run.stderr, (flags, run.stderr)
+            assert lines[0].startswith("loraplex: error:") and message in lines[0], (flags, lines[0])
+    finally:
+        taken.close()
+        unreadable.chmod(0o700)
