@@ -1,4 +1,5 @@
-"""Why an adapter cannot be served: not found (404), or found but refused (422 native / 400 OpenAI)."""
+"""Why an adapter cannot be served: not found (404), found but refused (422 native / 400 OpenAI), or its source
+cannot be reached (503)."""
 
 
 class AdapterError(Exception):
@@ -11,3 +12,7 @@ class AdapterNotFound(AdapterError):
 
 class AdapterInvalid(AdapterError):
     """The adapter was found but cannot be served (unsupported option, bad tensors, ...)."""
+
+
+class AdapterSourceUnavailable(AdapterError):
+    """The adapter's source (the hub, S3) cannot be reached now: nothing is known of the adapter itself."""

@@ -8,8 +8,9 @@ and keys its cache by the scope, so a grant is never lent to a request without t
 `HuggingFaceHub`, the real source:
 - Online: `model_info(repo, revision, token=)` asks the hub whether this token may read the repo and which
   commit the revision is; then `snapshot_download` at that commit (no second round trip once the files
-  are cached). Anything that goes wrong, the hub unreachable included, is "not found": a private repo
-  refuses a wrong token the way it refuses a missing repo (401), so the two look alike to the client too.
+  are cached). A hub that cannot be reached is AdapterSourceUnavailable (503); a missing revision says so;
+  anything else is "not found": a private repo refuses a wrong token the way it refuses a missing repo (401),
+  so the two look alike to the client too (and a request that sent no token is told it sent none).
   No `api_token`: huggingface_hub uses the server's own credentials (HF_TOKEN), if it has any: what those
   reach, every client of the server reaches (as in LoRAX).
 - Offline (`HF_HUB_OFFLINE`): no token can be checked. The local Hugging Face cache is then taken as the
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from loraplex.lora.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterNotFound
+from loraplex.lora.errors import AdapterError, AdapterSourceUnavailable
 from loraplex.checkpoints.sources import hub_offline
 
 log = logging.getLogger(__name__)
@@ -78,11 +80,36 @@ class HuggingFaceHub:
             commit = HfApi().model_info(repo_id, revision=revision, token=token or None).sha
             path = snapshot_download(repo_id, revision=commit, allow_patterns=files, token=token or None)
             return Snapshot(pathlib.Path(path), commit)
-        except Exception as exc:  # noqa: BLE001 — no such repo / no access / no network: all "not found"
+        except Exception as exc:  # noqa: BLE001 — every failure is told by its kind, never by its text
             # Neither here nor in the log `exc`'s text: whatever a library writes there, no token may reach it.
             log.info("hub adapter %r: %s", repo_id, type(exc).__name__)
-            raise AdapterNotFound(f"adapter {repo_id!r} not found {_OFFLINE if offline else _ONLINE}") from None
+            raise _refusal(exc, repo_id, revision, token, offline) from None
 
 
-_OFFLINE = "in the local Hugging Face cache"
-_ONLINE = "on the Hugging Face Hub, or not readable with this api_token"
+def _refusal(exc: Exception, repo_id: str, revision: str | None, token: str | None, offline: bool) -> AdapterError:
+    """What a failed hub call tells the client: the real cause (no network, no such revision, no such repo or
+    none this token may read, no token sent), never the exception's own text."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RevisionNotFoundError
+
+    if offline:
+        return AdapterNotFound(f"adapter {repo_id!r} not found in the local Hugging Face cache (the hub is offline: "
+                               "HF_HUB_OFFLINE)")
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    unreachable = isinstance(exc, (ConnectionError, TimeoutError, LocalEntryNotFoundError)) or (
+        type(exc).__name__ in _NETWORK_ERRORS) or (isinstance(exc, HfHubHTTPError) and status is not None and status >= 500)
+    if unreachable:
+        cause = f"HTTP {status}" if status else type(exc).__name__
+        return AdapterSourceUnavailable(f"adapter {repo_id!r}: the Hugging Face Hub cannot be reached from this server "
+                                        f"({cause}); try again later")
+    if isinstance(exc, RevisionNotFoundError):
+        return AdapterNotFound(f"adapter {repo_id!r} has no revision {revision!r} on the Hugging Face Hub")
+    if token:
+        return AdapterNotFound(f"adapter {repo_id!r} not found on the Hugging Face Hub, or not readable with this "
+                               "api_token")
+    return AdapterNotFound(f"adapter {repo_id!r} not found on the Hugging Face Hub (no api_token was sent: a private "
+                           "adapter needs one)")
+
+
+# Transport failures by name (httpx's and requests', which huggingface_hub may raise, need not be importable).
+_NETWORK_ERRORS = {"ConnectError", "ConnectTimeout", "ReadTimeout", "WriteTimeout", "PoolTimeout", "NetworkError",
+                   "RemoteProtocolError", "ProxyError", "SSLError", "ConnectionError", "Timeout", "TimeoutException"}

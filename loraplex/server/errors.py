@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.engine.request import RequestRefused
 from loraplex.lora.adapter import AdapterInvalid, AdapterNotFound
+from loraplex.lora.errors import AdapterSourceUnavailable
 from loraplex.multimodal import MediaError
 from loraplex.server import request_log
 from loraplex.server.admission import Overloaded
@@ -115,7 +116,8 @@ def openai_error(status: int, message: str, kind: str, param: str | None = None,
 def error_response(request: Request, exc: Exception) -> JSONResponse:
     """The response for a known exception, in the shape of the route's API (and its failure counted)."""
     if not isinstance(exc, GenerationFailed):  # those are counted where they happen
-        kind = {Overloaded: "overloaded", ModelNotFound: "not_found", AdapterNotFound: "not_found"}.get(
+        kind = {Overloaded: "overloaded", ModelNotFound: "not_found", AdapterNotFound: "not_found",
+                AdapterSourceUnavailable: "unavailable"}.get(
             type(exc), "validation"
         )
         request.app.state.loraplex.metrics.on_failure(kind)
@@ -126,6 +128,8 @@ def error_response(request: Request, exc: Exception) -> JSONResponse:
         return response
     if isinstance(exc, (ModelNotFound, AdapterNotFound)):
         return openai_error(404, str(exc), "not_found_error", "model", "model_not_found") if openai else native_error(404, str(exc), "not_found")
+    if isinstance(exc, AdapterSourceUnavailable):
+        return openai_error(503, str(exc), "server_error", "model", "adapter_source_unavailable") if openai else native_error(503, str(exc), "unavailable")
     if isinstance(exc, AdapterInvalid):
         return openai_error(400, str(exc), "invalid_request_error", "model", "invalid_adapter") if openai else native_error(422, str(exc), "validation")
     if isinstance(exc, (RequestRefused, BadRequest)):
@@ -180,5 +184,6 @@ def install_error_handlers(app: FastAPI) -> None:
         response.headers["x-request-id"] = request_id
         return response
 
-    for kind in (Overloaded, ModelNotFound, AdapterNotFound, AdapterInvalid, RequestRefused, BadRequest, MediaError, GenerationFailed):
+    for kind in (Overloaded, ModelNotFound, AdapterNotFound, AdapterSourceUnavailable, AdapterInvalid, RequestRefused,
+                 BadRequest, MediaError, GenerationFailed):
         app.add_exception_handler(kind, error_response)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from loraplex.lora.adapter import AdapterInvalid, AdapterNotFound
+from loraplex.lora.errors import AdapterSourceUnavailable
 from loraplex.lora.hub_source import PUBLIC, HuggingFaceHub, token_scope
 from loraplex.lora.store import AdapterStore, MergeSpec
 from loraplex.params import SamplingParams
@@ -224,9 +225,39 @@ def test_online_the_hub_is_asked_with_the_requests_token(monkeypatch, tmp_path):
     snapshot = HuggingFaceHub().resolve("org/private", None, TOKEN)
     assert snapshot.revision == COMMIT_A and snapshot.path.name == COMMIT_A
     assert downloads == [("org/private", COMMIT_A, TOKEN)]  # the commit the check answered, with the token
-    for token in (OTHER, None):
+    for token, told in ((OTHER, "not found on the Hugging Face Hub, or not readable with this api_token"),
+                        (None, "not found on the Hugging Face Hub (no api_token was sent: a private adapter needs one)")):
         with pytest.raises(AdapterNotFound) as info:
             HuggingFaceHub().resolve("org/private", None, token)
-        assert str(info.value) == "adapter 'org/private' not found on the Hugging Face Hub, or not readable with this api_token"
+        assert str(info.value) == f"adapter 'org/private' {told}"
         assert info.value.__cause__ is None and info.value.__suppress_context__  # no chained text carries it
     assert asked == [("org/private", None, TOKEN), ("org/private", None, OTHER), ("org/private", None, None)]
+
+
+@pytest.mark.parametrize("failure, kind, told", [
+    ("connect", AdapterSourceUnavailable, "the Hugging Face Hub cannot be reached from this server (ConnectError)"),
+    ("5xx", AdapterSourceUnavailable, "the Hugging Face Hub cannot be reached from this server (HTTP 503)"),
+    ("revision", AdapterNotFound, "has no revision 'v9' on the Hugging Face Hub"),
+])
+def test_hub_failures_name_their_real_cause(monkeypatch, failure, kind, told):
+    """No network is not "not found"; a missing revision says so; the exception's own text (which may carry the
+    token) is never repeated."""
+    import httpx
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+    def model_info(self, repo_id, *, revision=None, token=None, **kw):
+        request = httpx.Request("GET", f"https://huggingface.co/api/models/{repo_id}")
+        if failure == "connect":
+            raise httpx.ConnectError(f"no route to host (token {token})", request=request)
+        if failure == "5xx":
+            response = httpx.Response(503, request=request)
+            raise huggingface_hub.errors.HfHubHTTPError(f"503 with {token}", response=response)
+        raise huggingface_hub.errors.RevisionNotFoundError(f"no {revision} with {token}", response=httpx.Response(404, request=request))
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", model_info)
+    with pytest.raises(kind) as info:
+        HuggingFaceHub().resolve("org/adapter", "v9", TOKEN)
+    assert told in str(info.value) and str(info.value).startswith("adapter 'org/adapter'") and TOKEN not in str(info.value)

@@ -95,3 +95,17 @@ def test_both_apis_check_the_token_on_every_request(app, caplog):
         no_token_in(response.text)
         no_token_in(str(response.headers))
     no_token_in("\n".join(record.getMessage() for record in caplog.records))
+
+
+def test_a_hub_that_cannot_be_reached_is_a_503_in_both_apis(app):
+    from loraplex.lora.errors import AdapterSourceUnavailable
+
+    def unreachable(repo_id, revision, token):
+        raise AdapterSourceUnavailable(f"adapter {repo_id!r}: the Hugging Face Hub cannot be reached from this server")
+
+    app.state.loraplex.adapters.hub.resolve = unreachable
+    native_answer, openai_answer = asgi_calls(app, ("POST", "/generate", native(adapter_id="org/public")),
+                                              ("POST", CHAT, chat("org/public")))
+    assert native_answer.status_code == 503 and native_answer.json()["error_type"] == "unavailable"
+    assert "cannot be reached" in native_answer.json()["error"]
+    assert openai_answer.status_code == 503 and openai_answer.json()["error"]["code"] == "adapter_source_unavailable"
