@@ -89,6 +89,14 @@ class Tokenizer:
         except Exception:  # noqa: BLE001 — no template, or one that refuses tools: it does not render them
             return False
 
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters of text one token can stand for: its vocabulary string's length, which for
+        byte-level BPE counts bytes (at least one per character) and for SentencePiece and WordPiece counts the
+        piece with its markers. A text longer than n times this cannot be fewer than n tokens (unless the
+        tokenizer's normalizer deletes characters)."""
+        return max((len(piece) for piece in self.hf.get_vocab()), default=1)
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 

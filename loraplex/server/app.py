@@ -19,6 +19,7 @@ from loraplex.server.auth import ApiKeys
 from loraplex.server.disconnects import CancelOnDisconnect
 from loraplex.server.request_log import RequestLog
 from loraplex.server.state import ServerState, get_state
+from loraplex.server.validation import Validation
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
@@ -27,7 +28,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         docs_url=None, redoc_url=None,  # served below from local files: no CDN, works offline
     )
     config = config or ServerConfig()
-    state = ServerState(engine, config, Metrics(engine.engine), adapter_store(engine.engine, config))
+    core = engine.engine
+    state = ServerState(engine, config, Metrics(core), adapter_store(core, config),
+                        validation=Validation(config.validation_workers, core.config.max_input_length,
+                                              core.tokenizer.longest_token_chars))
     state.metrics.watch_admission(state.admission)
     app.state.loraplex = state
     if config.api_keys:

@@ -4,7 +4,6 @@ tokens, off the event loop and off the engine thread. Shared by the native and t
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from loraplex.multimodal.image_inputs import ImageInputs
@@ -33,15 +32,16 @@ async def encode_prompt(
 ) -> tuple[list[int], ImageInputs | None]:
     """Token ids of `prompt` (its image placeholders expanded) and the images' inputs; `param` names the
     request field the images came from, for errors."""
+    state.validation.check_length(prompt, param)
     if not urls:
         # Off the event loop: a long prompt takes the tokenizer seconds, during which nothing else would answer.
-        return await asyncio.to_thread(state.tokenizer.encode, prompt, add_special_tokens=add_special_tokens), None
+        return await state.validation.run(state.tokenizer.encode, prompt, add_special_tokens=add_special_tokens), None
     check_takes_images(state, param)
     images = await load_images(urls, state.config.media)
     processor = state.core.processor
     started = time.perf_counter()
     try:
-        out = await asyncio.to_thread(
+        out = await state.validation.run(
             processor, text=prompt, images=images, return_tensors="pt", add_special_tokens=add_special_tokens
         )
     except ValueError as exc:  # the processor's own checks (image tokens vs images, sizes)
@@ -54,5 +54,5 @@ async def encode_prompt(
         state.core.inputs.check_images(ids, inputs)
     except ImagesWithoutPlaceholders:
         raise BadRequest("the prompt has no place for its images (the chat template dropped them)", param) from None
-    await asyncio.to_thread(lambda: inputs.digest)  # hashed here, not on the engine thread (prefix caching)
+    await state.validation.run(lambda: inputs.digest)  # hashed here, not on the engine thread (prefix caching)
     return ids, inputs

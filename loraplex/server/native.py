@@ -81,7 +81,7 @@ async def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
     text = body.inputs
     if p.apply_chat_template:
         try:
-            text = await asyncio.to_thread(state.tokenizer.apply_chat_template, body.chat_messages())
+            text = await state.validation.run(state.tokenizer.apply_chat_template, body.chat_messages())
         except Exception as exc:  # no template, or the template refused these messages
             raise BadRequest(f"inputs cannot be turned into a chat prompt: {exc}", "apply_chat_template") from exc
     # LoRAX's image form: ![](URL) in the text, each replaced by the model's image placeholder.
@@ -253,20 +253,27 @@ async def invocations(body: CompatGenerateRequest, request: Request):
 async def tokenize(body: TokenizeRequest, request: Request):
     state = get_state(request)
     tokenizer = state.tokenizer
+    state.validation.check_length(body.inputs, "inputs")
     text, urls = split_markdown_images(body.inputs, image_placeholder(state))
     if urls:  # each image's placeholder tokens, as many as the request would use (no character offsets)
         ids, _ = await encode_prompt(state, text, urls, body.add_special_tokens, "inputs")
-        return [{"id": i, "text": tokenizer.token_text(i), "start": 0, "stop": 0} for i in ids]
-    def encode() -> tuple[list[int], list]:  # off the event loop (a long input takes the tokenizer seconds)
-        ids = tokenizer.encode(body.inputs, add_special_tokens=body.add_special_tokens)
-        encoding = tokenizer.hf(body.inputs, add_special_tokens=body.add_special_tokens, return_offsets_mapping=True)
-        return ids, encoding.get("offset_mapping") or [(0, 0)] * len(ids)
+        offsets = [(0, 0)] * len(ids)
+    else:
+        ids, offsets = None, None
 
-    ids, offsets = await asyncio.to_thread(encode)
-    return [
-        {"id": i, "text": tokenizer.token_text(i), "start": start, "stop": stop}
-        for i, (start, stop) in zip(ids, offsets)
-    ]
+    def answer() -> bytes:  # on a validation worker: the tokens, one dict each, and their JSON are O(input)
+        found, spans = (ids, offsets) if ids is not None else _encode_with_offsets(tokenizer, body)
+        tokens = [{"id": i, "text": tokenizer.token_text(i), "start": start, "stop": stop}
+                  for i, (start, stop) in zip(found, spans)]
+        return json.dumps(tokens, ensure_ascii=False, separators=(",", ":")).encode()
+
+    return Response(await state.validation.run(answer), media_type="application/json")
+
+
+def _encode_with_offsets(tokenizer, body: TokenizeRequest) -> tuple[list[int], list]:
+    ids = tokenizer.encode(body.inputs, add_special_tokens=body.add_special_tokens)
+    encoding = tokenizer.hf(body.inputs, add_special_tokens=body.add_special_tokens, return_offsets_mapping=True)
+    return ids, encoding.get("offset_mapping") or [(0, 0)] * len(ids)
 
 
 # /health answers at once when the engine completed a step this recently; otherwise it runs a one-token probe.

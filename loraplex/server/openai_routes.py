@@ -180,7 +180,8 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> lis
     jobs = []
     for p, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            ids, text = await asyncio.to_thread(tokenizer.encode, prompt, add_special_tokens=True), prompt
+            state.validation.check_length(prompt, "prompt")
+            ids, text = await state.validation.run(tokenizer.encode, prompt, add_special_tokens=True), prompt
         else:
             if any(not 0 <= i < tokenizer.vocab_size for i in prompt):
                 raise BadRequest(f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
@@ -208,7 +209,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
         messages, urls = split_chat_images(messages)
         check_takes_images(state, "messages")
     try:
-        prompt = await asyncio.to_thread(chat_prompt, state, messages, plan)  # templates can be slow: off the loop
+        prompt = await state.validation.run(chat_prompt, state, messages, plan)  # templates can be slow: off the loop
     except Exception as exc:  # no template, or the template refused these messages
         raise BadRequest(f"messages cannot be turned into a prompt: {exc}", "messages") from exc
     ids, images = await encode_prompt(state, prompt, urls, False, "messages")

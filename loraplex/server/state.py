@@ -26,6 +26,7 @@ from loraplex.lora.store import AdapterStore, MergeSpec
 from loraplex.params import SamplingParams, TokenInfo
 from loraplex.server.admission import Admission, Seat
 from loraplex.server.metrics import BASE_ADAPTER, Metrics
+from loraplex.server.validation import Validation
 from loraplex.server.request_log import note_adapter, note_failure
 
 
@@ -53,6 +54,7 @@ class ServerState:
     adapters: AdapterStore
     admission: Admission = field(default_factory=Admission)
     started_at: float = field(default_factory=time.time)
+    validation: Validation | None = None  # create_app's: the validation workers and the prompt length bound
 
     @property
     def core(self) -> Engine:
