@@ -414,8 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--adapter-access-ttl-s", type=float, default=_env("ADAPTER_ACCESS_TTL_S", 30.0, float),
                        help="how long the hub's answer on whether a request's api_token may read a hub adapter "
                             "is reused for requests with the same token (0: every request asks the hub)")
-    serve.add_argument("--validation-workers", type=int, default=_env("VALIDATION_WORKERS", 2, int),
-                       help="LoRAX's; reported by /info, no effect (requests are validated on the event loop)")
+    serve.add_argument("--validation-workers", type=_positive, default=_env("VALIDATION_WORKERS", 2, _positive),
+                       help="threads that tokenize prompts, render chat templates and build /tokenize's answers, "
+                            "off the event loop")
     _add_media_args(serve)
     serve.set_defaults(func=cmd_serve)
 
