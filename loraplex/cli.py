@@ -313,6 +313,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from loraplex.server.heap import freeze_start_up_heap
 
     from loraplex.server.logs import configure_logging
+    from loraplex.server.shutdown import DrainingServer
 
     configure_logging(args.json_output)
     if args.otlp_endpoint:
@@ -345,7 +346,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         api_keys=tuple(args.api_key or ()),
     )
-    app = create_app(AsyncEngine(engine), server_config)
+    async_engine = AsyncEngine(engine)
+    app = create_app(async_engine, server_config)
     freeze_start_up_heap()  # later full collections, which pause the engine thread, skip the model (heap.py)
     # Listen before saying "ready": from that line on, connections queue in the backlog.
     sock.listen(2048)
@@ -360,7 +362,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:  # printed, not logged: the line scripts wait for starts with "loraplex ready"
         print(ready, file=sys.stderr, flush=True)
     log_config = None if args.json_output else uvicorn.config.LOGGING_CONFIG
-    uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=log_config)).run(sockets=[sock])
+    config = uvicorn.Config(app, log_level="warning", log_config=log_config)
+    DrainingServer(config, app.state.loraplex.shutting_down, args.shutdown_timeout_s).run(sockets=[sock])
+    # Drained: stop the engine's thread before the interpreter goes (one left mid-step aborts the process).
+    async_engine.shutdown()
+    app.state.loraplex.validation.close()
     return 0
 
 
@@ -394,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--default-max-tokens", type=_positive, default=_env("DEFAULT_MAX_TOKENS", None, _positive),
                        help="cap what an OpenAI request without max_tokens generates (chat: up to the context "
                             "limit otherwise; completions: 16)")
+    serve.add_argument("--shutdown-timeout-s", type=_positive_float, default=_env("SHUTDOWN_TIMEOUT_S", 30.0, _positive_float),
+                       help="after SIGTERM, how long requests in flight may go on; then each still running ends "
+                            "with an error event (a stream) or a 503, and the server exits 0")
     serve.add_argument("--request-timeout-s", type=float, default=_env("REQUEST_TIMEOUT_S", None, float),
                        help="abort a request still running after this many seconds (504 when nothing was sent yet)")
     serve.add_argument("--max-request-bytes", type=int, default=_env("MAX_REQUEST_BYTES", 32 * 1024 * 1024, int),

@@ -6,7 +6,10 @@ middleware reads the request body first (and hands it to the app unchanged), the
 the client disconnects before the response is complete, the app's task is cancelled. Cancelling closes the
 engine streams the route is iterating, which aborts their requests (AsyncEngine.generate) and releases the slot
 (ServerState.generate). With a deadline (`--request-timeout-s`) a request that overruns it is cancelled the same
-way and answered 504 if its response has not started.
+way: answered 504 if its response has not started, and a stream that started ends with an error event in its
+API's shape (then OpenAI's `[DONE]`). At a shutdown's deadline (`ServerState.shutting_down`, set by the server
+`--shutdown-timeout-s` after SIGTERM) every request still running ends the same way, 503 or "server shutting
+down". Each is logged with its outcome (client_gone, timed_out, shutdown) and counted as a failure of that kind.
 
 Since it reads every body, it also caps their size (`--max-request-bytes`): a larger body is answered 413 before
 the app sees a byte of it (by its Content-Length at once, or as soon as the bytes read pass the cap).
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 from loraplex.server import request_log
 from loraplex.server.errors import error_for_path
@@ -47,7 +51,7 @@ class CancelOnDisconnect:
             if not message.get("more_body", False):
                 break
         gone = asyncio.Event()
-        started = False
+        started = streaming = False
 
         async def replay() -> dict:
             if body:
@@ -56,8 +60,11 @@ class CancelOnDisconnect:
             return {"type": "http.disconnect"}
 
         async def send_and_note(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal started, streaming
+            if message["type"] == "http.response.start":
+                started = True
+                streaming = any(name == b"content-type" and value.startswith(b"text/event-stream")
+                                for name, value in message.get("headers", ()))
             await send(message)
 
         async def watch() -> None:
@@ -65,10 +72,13 @@ class CancelOnDisconnect:
                 pass
             gone.set()
 
+        state = getattr(getattr(scope.get("app"), "state", None), "loraplex", None)
         app = asyncio.create_task(self.app(scope, replay, send_and_note))
         watcher = asyncio.create_task(watch())
+        shutdown = asyncio.create_task(state.shutting_down.wait()) if state is not None else None
         try:
-            done, _ = await asyncio.wait({app, watcher}, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            waiting = {app, watcher} | ({shutdown} if shutdown else set())
+            done, _ = await asyncio.wait(waiting, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
             if app in done:
                 return app.result()
             app.cancel()
@@ -76,15 +86,39 @@ class CancelOnDisconnect:
                 await app
             record = request_log.current()
             if watcher in done:  # the client left (a response already started keeps its status; complete=false)
-                if record is not None and not started:
-                    record.status = CLIENT_CLOSED
-            elif not started:  # the deadline passed first
+                if record is not None:
+                    record.outcome = "client_gone"
+                    if not started:
+                        record.status = CLIENT_CLOSED
+                return
+            if shutdown is not None and shutdown in done:
+                outcome, status, kind, message = "shutdown", 503, "unavailable", "server shutting down"
+            else:
+                outcome, status, kind = "timed_out", 504, "timeout"
                 message = f"the request took longer than {self.timeout_s:g} s (--request-timeout-s)"
-                await error_for_path(scope["path"], 504, message, "timeout")(scope, replay, send)
+            if record is not None:
+                record.outcome, record.error = outcome, message
+            if state is not None:
+                state.metrics.on_failure(outcome)
+            if not started:
+                await error_for_path(scope["path"], status, message, kind)(scope, replay, send)
+            elif streaming:  # the client hears why its stream ends, in its API's shape
+                await send({"type": "http.response.body", "body": error_event(scope["path"], message, kind),
+                            "more_body": False})
         finally:
             watcher.cancel()
+            if shutdown is not None:
+                shutdown.cancel()
             if not app.done():
                 app.cancel()
+
+
+def error_event(path: str, message: str, kind: str) -> bytes:
+    """The last event of a stream cut by the server, as the route's API writes errors (OpenAI's then [DONE])."""
+    if path.startswith("/v1/"):
+        error = {"error": {"message": message, "type": "server_error", "param": None, "code": kind}}
+        return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+    return f"data: {json.dumps({'error': message, 'error_type': kind})}\n\n".encode()
 
 
 def _content_length(scope) -> int:

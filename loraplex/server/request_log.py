@@ -34,20 +34,22 @@ class RequestRecord:
     adapter: str | None = None  # as the client named it; None: the base model (or none named yet)
     status: int = 500  # until a response starts: an exception that escapes becomes a 500
     prompt_tokens: int = 0  # summed over the engine requests it ran (each of n choices, best_of runs)
-    generated_tokens: int = 0  # of the engine requests that finished
+    generated_tokens: int = 0  # every token its engine requests made, finished or not (cut, failed, timed out)
     queue_seconds: float = 0.0  # the longest of its engine requests'
     inference_seconds: float = 0.0
     total_seconds: float = 0.0
     complete: bool = False  # False: the response was cut (client gone), never sent, or ended by an error event
     # A failure after the response started (a stream's error event): its status stays the 200 that went out.
     error: str | None = None
+    # How it ended, one of OUTCOMES; set where it is known (a timeout, the client leaving, the engine failing),
+    # else from the status when the response ends. The log line, the trace span and the metrics say the same.
+    outcome: str | None = None
 
     def started_run(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens += num_prompt_tokens
 
     def finished_run(self, final: "RequestOutput") -> None:
         queue, total = final.timings.get("queue", 0.0), final.timings.get("total", 0.0)
-        self.generated_tokens += final.num_generated_tokens
         self.queue_seconds = max(self.queue_seconds, queue)
         self.inference_seconds = max(self.inference_seconds, total - queue)
 
@@ -59,15 +61,24 @@ class RequestRecord:
             "loraplex.prompt_tokens": self.prompt_tokens, "loraplex.generated_tokens": self.generated_tokens,
             "loraplex.queue_seconds": self.queue_seconds, "loraplex.inference_seconds": self.inference_seconds,
             "loraplex.complete": self.complete, "loraplex.error": self.error or "",
+            "loraplex.outcome": self.outcome or "",
         }
 
     @property
     def failed(self) -> bool:
         return self.status >= 500 or self.error is not None
 
+    def settle(self) -> None:
+        """The outcome, where nothing named it earlier: from the status and whether the response ended."""
+        if self.outcome is None:
+            self.outcome = ("failed" if self.failed else "refused" if self.status >= 400
+                            else "ok" if self.complete else "client_gone")
+
     def fields(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
+
+OUTCOMES = ("ok", "refused", "client_gone", "timed_out", "shutdown", "failed")
 
 _current: ContextVar[RequestRecord | None] = ContextVar("loraplex_request", default=None)
 
@@ -84,6 +95,21 @@ def note_failure(message: str) -> None:
     if record is not None:
         first = (message.strip().splitlines() or ["generation failed"])[0]
         record.error = first if len(first) <= 200 else first[:197] + "..."
+        record.outcome = "failed"
+
+
+def note_unfinished_run(seconds: float) -> None:
+    """An engine request ended without finishing (cut, failed, timed out) after `seconds` of running."""
+    record = _current.get()
+    if record is not None:
+        record.inference_seconds = max(record.inference_seconds, seconds)
+
+
+def note_token() -> None:
+    """One more token made for the request (counted as made, so a cut or failed request reports them too)."""
+    record = _current.get()
+    if record is not None:
+        record.generated_tokens += 1
 
 
 def note_adapter(adapter_id: str | None, merged_ids: Sequence[str] = ()) -> None:
@@ -121,6 +147,7 @@ class RequestLog:
             route = scope.get("route")  # set by the router: the template, not the path (no ids in routes)
             record.route = getattr(route, "path", record.route)
             record.total_seconds = time.perf_counter() - started
+            record.settle()
             fields = record.fields()
             log.log(logging.WARNING if record.failed else logging.INFO, key_values(fields), extra={"fields": fields})
             tracing.record_span(f"{record.method} {record.route}", record.span_attributes(), record.failed,

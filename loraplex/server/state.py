@@ -26,8 +26,9 @@ from loraplex.lora.store import AdapterStore, MergeSpec
 from loraplex.params import SamplingParams, TokenInfo
 from loraplex.server.admission import Admission, Seat
 from loraplex.server.metrics import BASE_ADAPTER, Metrics
+from loraplex.server.shutdown import ShutdownSignal
 from loraplex.server.validation import Validation
-from loraplex.server.request_log import note_adapter, note_failure
+from loraplex.server.request_log import note_adapter, note_failure, note_token, note_unfinished_run
 
 
 @dataclass
@@ -55,6 +56,8 @@ class ServerState:
     admission: Admission = field(default_factory=Admission)
     started_at: float = field(default_factory=time.time)
     validation: Validation | None = None  # create_app's: the validation workers and the prompt length bound
+    # Set at a shutdown's deadline: every request still running ends (server/disconnects.py).
+    shutting_down: ShutdownSignal = field(default_factory=ShutdownSignal)
 
     @property
     def core(self) -> Engine:
@@ -113,11 +116,14 @@ class ServerState:
         label = adapter.adapter_id if adapter is not None else BASE_ADAPTER
         self.metrics.on_request(len(prompt_ids), label)
         stream = self.engine.generate(prompt_ids, params, request_id, adapter, images)
+        started, finished = time.perf_counter(), False
         try:
             async for out in stream:
                 if out.token is not None:
                     self.admission.generated(seat)
+                    note_token()
                 if out.finished:
+                    finished = True
                     self.metrics.on_success(out, label)
                 yield out
         except RuntimeError as exc:  # counted here: mid-stream failures never reach an error handler
@@ -125,6 +131,8 @@ class ServerState:
             note_failure(str(exc))
             raise GenerationFailed(str(exc)) from exc
         finally:
+            if not finished:
+                note_unfinished_run(time.perf_counter() - started)
             await stream.aclose()
             self.admission.release(seat)
 

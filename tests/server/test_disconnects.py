@@ -1,5 +1,6 @@
 """A client that goes away stops its request, streamed or not, on every generation route: the running gauge and
-the KV cache go back to idle within a few steps; `--request-timeout-s` aborts an overrunning request with a 504."""
+the KV cache go back to idle within a few steps; `--request-timeout-s` aborts an overrunning request with a 504, or
+ends its stream with an error event in its API's shape, counted as a timeout."""
 
 from __future__ import annotations
 
@@ -86,6 +87,21 @@ def test_request_timeout_aborts_with_504():
         assert native.status_code == 504 and native.json()["error_type"] == "timeout"
         openai = httpx.post(f"{server}/v1/completions", json=ROUTES["completions"][1], timeout=60)
         assert openai.status_code == 504 and openai.json()["error"]["code"] == "timeout"
+        for route, last in (("generate_stream", -1), ("completions_stream", -2), ("chat_stream", -2)):
+            path, body = ROUTES[route]
+            with httpx.stream("POST", f"{server}{path}", json=body, timeout=60) as response:
+                assert response.status_code == 200
+                events = [line[5:].strip() for line in response.iter_lines() if line.startswith("data:")]
+            assert len(events) > 2, route  # tokens went out before the deadline
+            error = json.loads(events[last])
+            if route == "generate_stream":
+                assert error == {"error": "the request took longer than 1 s (--request-timeout-s)",
+                                 "error_type": "timeout"}
+            else:
+                assert events[-1] == "[DONE]" and error["error"]["code"] == "timeout", (route, events[-3:])
+        timeouts = [line for line in httpx.get(f"{server}/metrics", timeout=30).text.splitlines()
+                    if line.startswith("lorax_request_failure") and 'timed_out' in line]
+        assert timeouts and float(timeouts[0].split()[-1]) == 5, timeouts  # two answered 504, three streams cut
         wait_for(server, running=0, timeout=10)
         quick = httpx.post(f"{server}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}, timeout=60)
         assert quick.status_code == 200

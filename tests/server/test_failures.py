@@ -58,6 +58,9 @@ def test_failure_mid_stream_arrives_as_an_error_event(app_and_engine, caplog):
     # The request log tells the failure: the 200 that went out, but not complete, the error, at WARNING.
     (line,) = [r for r in caplog.records if r.name == "loraplex.requests"]
     assert line.levelname == "WARNING" and line.fields["status"] == 200 and line.fields["complete"] is False
+    # What it really did: the outcome, and the tokens sent before the failure (the prefill's and one decode's).
+    assert line.fields["outcome"] == "failed"
+    assert line.fields["generated_tokens"] == len(events) - 1 == 2 and line.fields["inference_seconds"] > 0
     assert "injected device failure" in line.fields["error"]
     assert engine.scheduler.allocator.num_used == 0
     ok = run(post(app, "/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 3}}))
