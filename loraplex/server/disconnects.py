@@ -90,6 +90,8 @@ class CancelOnDisconnect:
                     record.outcome = "client_gone"
                     if not started:
                         record.status = CLIENT_CLOSED
+                if state is not None:
+                    state.metrics.on_failure("client_gone")
                 return
             if shutdown is not None and shutdown in done:
                 outcome, status, kind, message = "shutdown", 503, "unavailable", "server shutting down"

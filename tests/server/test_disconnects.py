@@ -39,7 +39,7 @@ def server():
 def gauges(server: str) -> dict[str, float]:
     values = {}
     for line in httpx.get(f"{server}/metrics", timeout=30).text.splitlines():
-        for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", 'lorax_request_failure{err="client_gone"}'):
             if line.startswith(name):
                 values[name] = float(line.rsplit(" ", 1)[1])
     return values
@@ -69,6 +69,7 @@ def test_a_client_that_leaves_stops_its_request(server, route):
     path, body = ROUTES[route]
     url = urlparse(server)
     payload = json.dumps(body).encode()
+    gone_before = gauges(server).get('lorax_request_failure{err="client_gone"}', 0.0)
     with socket.create_connection((url.hostname, url.port)) as conn:
         conn.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
@@ -77,6 +78,7 @@ def test_a_client_that_leaves_stops_its_request(server, route):
     # Within a few steps (a busy shared machine gets slack; the request would otherwise run for minutes).
     released = wait_for(server, running=0, timeout=30)
     print(f"{route}: running gauge and KV cache back to idle {released:.2f} s after the client left")
+    assert gauges(server)['lorax_request_failure{err="client_gone"}'] == gone_before + 1  # counted as what it was
     ok = httpx.post(f"{server}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}, timeout=60)
     assert ok.status_code == 200  # and its concurrency slot came back
 
