@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from loraplex.engine.request import RequestRefused
 from loraplex.lora.adapter import AdapterInvalid, AdapterNotFound
 from loraplex.lora.errors import AdapterSourceUnavailable
+from loraplex.server.validation import InputTooLong
 from loraplex.multimodal import MediaError
 from loraplex.server import request_log
 from loraplex.server.admission import Overloaded
@@ -132,7 +133,7 @@ def error_response(request: Request, exc: Exception) -> JSONResponse:
         return openai_error(503, str(exc), "server_error", "model", "adapter_source_unavailable") if openai else native_error(503, str(exc), "unavailable")
     if isinstance(exc, AdapterInvalid):
         return openai_error(400, str(exc), "invalid_request_error", "model", "invalid_adapter") if openai else native_error(422, str(exc), "validation")
-    if isinstance(exc, (RequestRefused, BadRequest)):
+    if isinstance(exc, (RequestRefused, BadRequest, InputTooLong)):
         param = getattr(exc, "param", None)
         return openai_error(400, str(exc), "invalid_request_error", param) if openai else native_error(422, str(exc), "validation")
     if isinstance(exc, MediaError):  # an image the request named: its own status (400/413/415/422)
@@ -185,5 +186,5 @@ def install_error_handlers(app: FastAPI) -> None:
         return response
 
     for kind in (Overloaded, ModelNotFound, AdapterNotFound, AdapterSourceUnavailable, AdapterInvalid, RequestRefused,
-                 BadRequest, MediaError, GenerationFailed):
+                 BadRequest, InputTooLong, MediaError, GenerationFailed):
         app.add_exception_handler(kind, error_response)

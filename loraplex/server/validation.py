@@ -14,6 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
+
+
+class InputTooLong(ValueError):
+    """A prompt refused by its length in characters (422 native, 400 OpenAI, as a BadRequest); `param` names it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 NORMALIZER_SLACK = 2  # characters a normalizer may fold into one
 
 
@@ -32,9 +40,7 @@ class Validation:
     def check_length(self, text: str, param: str) -> None:
         """Refuse a text that cannot fit the model's input, before it is tokenized."""
         if len(text) > self.max_chars:
-            from loraplex.server.errors import BadRequest  # errors imports the state, which imports this
-
-            raise BadRequest(
+            raise InputTooLong(
                 f"{param} has {len(text)} characters, more than {self.max_input_length} tokens (max input length) "
                 f"can hold with this tokenizer (at most {self.max_chars} characters)", param)
 

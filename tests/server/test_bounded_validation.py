@@ -10,8 +10,7 @@ import time
 import httpx
 import pytest
 
-from loraplex.server.validation import NORMALIZER_SLACK, Validation
-from loraplex.server.errors import BadRequest
+from loraplex.server.validation import NORMALIZER_SLACK, InputTooLong, Validation
 from tests.helpers import live_server_process
 
 BIG = "word " * 2_000_000  # 10 MB: under the 32 MiB body limit
@@ -29,7 +28,7 @@ def test_the_character_bound_is_the_input_length_times_the_longest_token():
     bound = Validation(1, max_input_length=10, longest_token_chars=7)
     assert bound.max_chars == 10 * 7 * NORMALIZER_SLACK
     bound.check_length("x" * bound.max_chars, "inputs")
-    with pytest.raises(BadRequest, match="inputs has 141 characters, more than 10 tokens") as refused:
+    with pytest.raises(InputTooLong, match="inputs has 141 characters, more than 10 tokens") as refused:
         bound.check_length("x" * 141, "inputs")
     assert refused.value.param == "inputs"
     bound.close()
