@@ -53,11 +53,11 @@ def test_batch_invariance(make_engine, embedded, sampling):
 
 
 def test_preempted_requests_resume_exactly(make_engine, embedded):
-    # 8 requests of 20 prompt + 40 new tokens (4 blocks each at the end) over an 8-block cache: three
-    # are admitted, and they outgrow the cache while decoding.
+    # 6 requests of 20 prompt + 28 new tokens (2 blocks each at admission, 3 at the end) over an 8-block
+    # cache: four are admitted, and they outgrow the cache while decoding.
     tok = embedded.tokenizer
-    prompts = [tok.encode(" ".join(TEXTS[i : i + 4]))[:20] for i in range(8)]
-    plist = [SamplingParams(max_new_tokens=40, ignore_eos=True)] * 8
+    prompts = [tok.encode(" ".join(TEXTS[i : i + 4]))[:20] for i in range(6)]
+    plist = [SamplingParams(max_new_tokens=28, ignore_eos=True)] * 6
     reference = solo(make_engine, prompts, plist)
     engine = make_engine(max_batch_total_tokens=128)
     requests = [engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
