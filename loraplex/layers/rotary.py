@@ -1,4 +1,4 @@
-"""Rotary position embeddings (rotate-half layout), with linear and Llama 3 frequency scaling."""
+"""Rotary position embeddings (rotate-half layout), with linear, Llama 3 and YaRN frequency scaling."""
 
 from __future__ import annotations
 
@@ -19,7 +19,26 @@ def inverse_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.kind == "llama3":
         return _llama3_scaled(inv_freq, rope)
+    if rope.kind == "yarn":
+        return _yarn_scaled(inv_freq, rope, dim)
     return inv_freq
+
+
+def _yarn_scaled(inv_freq: torch.Tensor, rope: RopeConfig, dim: int) -> torch.Tensor:
+    # Dimensions that turn more than beta_fast times over the original context keep their frequency, those that
+    # turn fewer than beta_slow times are slowed by `factor`, and a linear ramp blends the band between.
+    def dimension_turning(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dimension_turning(rope.beta_fast), dimension_turning(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of no width would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    return inv_freq / rope.factor * (1 - kept) + inv_freq * kept
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -48,6 +67,7 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: it is derived from the config, never loaded, and must
         # survive building the model on the meta device. It follows the inputs' device on first use.
         self.inv_freq = inverse_frequencies(rope, head_dim)
+        self.attention_factor = rope.attention_factor
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
@@ -55,7 +75,10 @@ class RotaryEmbedding(nn.Module):
         # Angles in float32 whatever the model dtype, as the reference computes them.
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rotary(

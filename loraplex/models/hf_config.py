@@ -4,6 +4,7 @@ wrapper that turns a missing field into a ValueError (`normalised`)."""
 
 from __future__ import annotations
 
+import math
 import reprlib
 from typing import Any, Callable
 
@@ -60,9 +61,10 @@ HF_FIELDS: dict[str, tuple[str, float, float]] = {
     "sliding_window": ("int", *_TOKEN),  # 0 in some configs that turn it off (use_sliding_window false)
     **dict.fromkeys(("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps"), ("num", 0, 1)),
     "rope_theta": ("num", 1, 10**12), "alibi_bias_max": ("num", 0, 1000), "expansion_ratio": ("num", *_FACTOR),
-    **dict.fromkeys(("factor", "low_freq_factor", "high_freq_factor"), ("num", *_FACTOR)),
+    **dict.fromkeys(("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow",
+                     "mscale", "mscale_all_dim"), ("num", *_FACTOR)),
     **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "no_bias",
-                     "scale_embedding", "qk_ln", "alibi", "multimodal_projector_bias", "scale_decoder_outputs"),
+                     "scale_embedding", "qk_ln", "alibi", "multimodal_projector_bias", "scale_decoder_outputs", "truncate"),
                     ("bool", 0, 0)),
     **dict.fromkeys(("model_type", "hidden_act", "activation_function", "feed_forward_proj", "norm_type",
                      "projector_hidden_act", "rope_type", "type"), ("str", 0, 0)),
@@ -74,7 +76,7 @@ HF_NULLABLE = frozenset({
     "num_key_value_heads", "head_dim", "sliding_window", "num_decoder_layers", "kv_n_heads", "ffn_hidden_size",
     "bos_token_id", "eos_token_id", "decoder_start_token_id", "forced_bos_token_id",
     "forced_eos_token_id", "image_token_id", "image_token_index", "text_config", "vision_config", "attn_config",
-    "ffn_config", "rope_scaling", "rope_parameters",
+    "ffn_config", "rope_scaling", "rope_parameters", "factor", "attention_factor", "mscale", "mscale_all_dim",
 })
 _NESTED = ("text_config", "vision_config", "attn_config", "ffn_config", "rope_scaling", "rope_parameters")
 _KINDS = {"int": "an integer", "ints": "an integer or a list of integers", "num": "a number", "bool": "true or false",
@@ -118,15 +120,41 @@ def rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
     kind = merged.get("rope_type", merged.get("type", "default"))
-    if kind not in ("default", "linear", "llama3"):
-        raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+    if kind not in ("default", "linear", "llama3", "yarn"):
+        raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, yarn")
     low, high = merged.get("low_freq_factor", 1.0), merged.get("high_freq_factor", 4.0)
     require("rope_scaling.high_freq_factor", high, kind != "llama3" or high > low, f"must exceed low_freq_factor {low}")
+    # As transformers: the pretraining context is the model's own unless the scaling names it (a top-level field
+    # first, as Phi-3 writes it), and YaRN's factor defaults to the ratio of the two.
+    max_positions = hf.get("max_position_embeddings", 8192)
+    original = hf.get("original_max_position_embeddings") or merged.get("original_max_position_embeddings") or max_positions
+    factor = merged.get("factor")
+    if factor is None:
+        factor = max_positions / original if kind == "yarn" else 1.0
+    beta_fast, beta_slow = merged.get("beta_fast") or 32.0, merged.get("beta_slow") or 1.0
+    require("rope_scaling.beta_fast", beta_fast, beta_fast > beta_slow, f"must exceed beta_slow {beta_slow}")
     return RopeConfig(
         theta=float(theta),
         kind=kind,
-        factor=float(merged.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(low),
         high_freq_factor=float(high),
-        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(beta_fast),
+        beta_slow=float(beta_slow),
+        truncate=bool(merged.get("truncate", True)),
+        attention_factor=_yarn_attention_factor(merged, float(factor)) if kind == "yarn" else 1.0,
     )
+
+
+def _yarn_attention_factor(scaling: dict[str, Any], factor: float) -> float:
+    """The paper's 0.1 ln(s) + 1 (its eq. 21), or DeepSeek's ratio of two such terms, unless the config states it."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(weight: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    return mscale(1.0)

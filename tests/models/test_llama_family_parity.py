@@ -16,6 +16,9 @@ VARIANTS = {
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
     ),
     "llama-linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
+    # Qwen2.5's long-context recipe, its original context shrunk so the prompts and tokens run past it.
+    "qwen2-yarn": ("qwen2", {"max_position_embeddings": 64,
+                             "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
     "mistral-sliding": ("mistral", {"sliding_window": 12}),
     "qwen2-bias": ("qwen2", {}),
 }
