@@ -5,7 +5,7 @@ A random-weight model of Llama-3.1-8B's shape (vocabulary cut to 49152 unless --
 tokens a request, EOS ignored) of R requests over A random rank-16 adapters (`--workloads 1x0,32x0,64x0,64x8,64x64`),
 CUDA graphs on as served:
 
-    bf16     the float model (bfloat16 on CUDA)              int8     --quantize bitsandbytes (LLM.int8)
+    bf16     the float model (bfloat16 on CUDA)              int8     --quantize bitsandbytes (weight-only on CUDA)
     nf4      --quantize bitsandbytes-nf4                     fp8      --quantize fp8 (e4m3 weights, per channel)
     fp8-kv8  --quantize fp8 --kv-cache-dtype fp8             w4a16    4-bit weights in groups of 128 (round to
                                                                       nearest), the layer GPTQ/AWQ checkpoints load into
@@ -22,8 +22,8 @@ ratio to bf16's same workload; at one request also the roofline for that setting
 weights read once a step, an untied embedding's rows only, plus the KV cache at the average context, at the measured
 copy bandwidth) and the share of it reached.
 
-Random weights (std 0.02) have no outlier features: LLM.int8 never takes its mixed int8/float path here, which real
-checkpoints take on a few columns. LLM.int8 decodes without CUDA graphs (its outlier check reads the device on the host).
+On CUDA `--quantize bitsandbytes` multiplies bitsandbytes' int8 weights weight-only (bnb_layers), CUDA graphs on;
+elsewhere it is LLM.int8, which decodes without graphs.
 """
 
 from __future__ import annotations

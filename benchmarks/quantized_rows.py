@@ -3,12 +3,14 @@
 
 The linears of one Llama-3.1-8B decode layer as the engine runs them (q/k/v and gate/up fused: 4096->6144,
 4096->4096, 4096->28672, 14336->4096), for M rows (default 1, 2, 4, 8, 16): bf16 `F.linear`, then every launch
-shape of a grid for `fp8_gemv` (kernel "rows" or "dot", BLOCK_N, warps, stages, programs per SM, in-kernel split
-reduction) and for `w4a16_rows` (groups of 128 with zero points; BLOCK_N, warps, stages, programs per SM, in-kernel
-reduction), each timed in CUDA graphs over weight copies that defeat L2 (benchmarks/graph_timing). Printed per M:
-the layer's bf16 time, the three fastest shapes of each kernel with their speed-up over bf16 and largest error
-against x @ the dequantized weight (relative to the output's largest value), and the best as JSON: set
-`fp8_gemv.CONFIGS` and `w4a16_rows.CONFIGS` from it.
+shape of a grid for `weight_only` on FP8 weights (kernel "rows" or "dot", BLOCK_N, warps, stages, programs per SM,
+in-kernel split reduction) and on bitsandbytes' int8 weights (`--int8-rows`: kernel, BLOCK_M, BLOCK_N, warps, stages,
+programs per SM, in-kernel reduction), bitsandbytes' own nf4 kernels as FourBitLinear calls them (`--nf4-rows`: its
+gemv for one row, its dequantization and a bf16 product for more), and for `w4a16_rows` (groups of 128 with zero
+points; BLOCK_N, warps, stages, programs per SM, in-kernel reduction), each timed in CUDA graphs over weight copies
+that defeat L2 (benchmarks/graph_timing). Printed per M: the layer's bf16 time, the three fastest shapes of each kernel
+with their speed-up over bf16 and largest error against x @ the dequantized weight (relative to the output's largest
+value), and the best as JSON: set `weight_only.CONFIGS` and `w4a16_rows.CONFIGS` from it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from torch.nn import functional as F
 
 from benchmarks.graph_timing import graph_time_us, weight_copies
-from loraplex.quantization import fp8_gemv, w4a16_rows, w4a16_triton
+from loraplex.quantization import w4a16_rows, w4a16_triton, weight_only
 from loraplex.quantization.fp8 import quantize_linear
 from loraplex.quantization.split_k import split_counters
 from loraplex.quantization.w4a16 import pack_int4, quantize_groups
@@ -32,7 +34,8 @@ GROUP = 128
 
 
 class Linear:
-    """One linear's weight as bf16, FP8 (per-channel) and W4A16, with copies of each that defeat L2."""
+    """One linear's weight as bf16, FP8 (per-channel), W4A16 and bitsandbytes int8 and nf4 (when it is installed),
+    with copies of each that defeat L2."""
 
     def __init__(self, k: int, n: int, fp8: bool) -> None:
         gen = torch.Generator(device="cuda").manual_seed(k + 7 * n)
@@ -50,6 +53,19 @@ class Linear:
         self.w4_reference = ((q.float() - zeros.float().repeat_interleave(GROUP, 0))
                              * scales.float().repeat_interleave(GROUP, 0))
         self.counters = split_counters(torch.device("cuda"))  # shared by the copies: their calls run in turn
+        self.int8 = self.nf4 = None
+        try:
+            import bitsandbytes
+        except ImportError:
+            return
+        from loraplex.quantization.bitsandbytes import quantized_linear
+
+        int8 = quantized_linear(bitsandbytes, _linear_of(weight), "bitsandbytes", torch.device("cuda"), DTYPE)
+        self.int8, self.int8_reference = weight_copies([int8.weight.data, int8.weight_scale.data]), int8.dequantized().t()
+        nf4 = quantized_linear(bitsandbytes, _linear_of(weight), "bitsandbytes-nf4", torch.device("cuda"), DTYPE)
+        self.nf4 = weight_copies([nf4.weight.data, nf4.absmax.data, nf4.code.data])
+        self.nf4_reference = nf4.dequantized_as(DTYPE).float().t()
+        self.nf4_shape = [n, k]
 
 
 def _linear_of(weight: torch.Tensor) -> torch.nn.Linear:
@@ -74,9 +90,16 @@ def layer_time(linears: list[Linear], m: int, kind: str, target_ms: float) -> tu
         x = torch.randn(m, linear.k, device="cuda", dtype=DTYPE)
         if kind == "bf16":
             t, e = timed(linear.bf16, lambda x, w: F.linear(x, w), x, None, target_ms)
-        elif kind == "fp8":
-            t, e = timed(linear.fp8, lambda x, w, s, c=linear.counters: fp8_gemv.matmul(x, w, s, None, c), x,
-                         linear.fp8_reference, target_ms)
+        elif kind in ("fp8", "int8"):
+            t, e = timed(getattr(linear, kind), lambda x, w, s, c=linear.counters: weight_only.matmul(x, w, s, None, c),
+                         x, getattr(linear, f"{kind}_reference"), target_ms)
+        elif kind == "nf4-gemv":  # bitsandbytes' one-row kernel
+            t, e = timed(linear.nf4, lambda x, w, a, code, shape=linear.nf4_shape: torch.ops.bitsandbytes.gemv_4bit.default(
+                         x, w.view(-1, 1), shape, a.view(-1), code, 64), x, linear.nf4_reference, target_ms)
+        elif kind == "nf4-dequantized":  # bitsandbytes' dequantization, then the bf16 product
+            t, e = timed(linear.nf4, lambda x, w, a, code, shape=linear.nf4_shape: F.linear(
+                         x, torch.ops.bitsandbytes.dequantize_4bit.default(w.view(-1, 1), a.view(-1), 64, "nf4", shape,
+                                                                           DTYPE)), x, linear.nf4_reference, target_ms)
         else:
             t, e = timed(linear.w4, lambda x, q, s, z, c=linear.counters: w4a16_triton.matmul(x, q, s, z, GROUP, None, c),
                          x, linear.w4_reference, target_ms)
@@ -89,20 +112,31 @@ FP8_GRID = {"rows": (("rows",), (32, 64, 128), (4, 8), (2, 4), (4, 8, 16), (Fals
 W4_GRID = ((64, 128, 256), (4, 8), (2, 3), (4, 8, 16), (False, True))
 
 
-def sweep_fp8(linears: list[Linear], m: int, target_ms: float) -> list:
-    saved = (list(fp8_gemv.CONFIGS), fp8_gemv.IN_KERNEL_REDUCE)
+# bitsandbytes' int8 weights, up to 64 rows: (kernel, BLOCK_M (dot), BLOCK_N, warps, stages, programs per SM, in-kernel)
+BNB_GRID = {"rows": (("rows",), (1,), (32, 64, 128), (4, 8), (2, 4), (4, 8, 16), (False,)),
+            "dot": (("dot",), (16, 32, 64), (64, 128), (4, 8), (3, 4), (2, 4, 8), (False,))}
+
+
+def sweep_weight_only(linears: list[Linear], m: int, kind: str, target_ms: float) -> list:
+    """Every launch shape of weight_only's kernels for `kind` ("fp8" or "int8") at m rows."""
+    saved = (list(weight_only.CONFIGS), weight_only.IN_KERNEL_REDUCE)
+    grids = FP8_GRID if kind == "fp8" else BNB_GRID
     options = []
     try:
-        for name, grid in FP8_GRID.items():
+        for name, grid in grids.items():
             if name == "rows" and m > 4:
                 continue
-            for kernel, block_n, warps, stages, programs, in_kernel in itertools.product(*grid):
-                fp8_gemv.CONFIGS = [(16, kernel, block_n, warps, stages, programs, 1.0)]
-                fp8_gemv.IN_KERNEL_REDUCE = in_kernel
-                us, error = layer_time(linears, m, "fp8", target_ms)
-                options.append((us, (kernel, block_n, warps, stages, programs, in_kernel), error))
+            if kind == "fp8":
+                grid = (grid[0], (16,), *grid[1:])
+            for kernel, block_m, block_n, warps, stages, programs, in_kernel in itertools.product(*grid):
+                if kernel == "dot" and block_m > max(16, m):
+                    continue
+                weight_only.CONFIGS = [(64, kernel, block_m, block_n, warps, stages, programs, 1.0)]
+                weight_only.IN_KERNEL_REDUCE = in_kernel
+                us, error = layer_time(linears, m, kind, target_ms)
+                options.append((us, (kernel, block_m, block_n, warps, stages, programs, in_kernel), error))
     finally:
-        fp8_gemv.CONFIGS, fp8_gemv.IN_KERNEL_REDUCE = saved
+        weight_only.CONFIGS, weight_only.IN_KERNEL_REDUCE = saved
     return sorted(options)
 
 
@@ -128,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--w4-rows", default="1,2,4,8", help="the M values the W4A16 sweep covers")
+    parser.add_argument("--fp8-rows", default="1,2,4,8,16", help="the M values the FP8 sweep covers")
+    parser.add_argument("--int8-rows", default="", help="the M values the bitsandbytes int8 sweep covers")
+    parser.add_argument("--nf4-rows", default="", help="the M values bitsandbytes' nf4 kernels are timed at")
     parser.add_argument("--target-ms", type=float, default=4.0, help="replay time per measurement")
     parser.add_argument("--json", help="write the best shapes here too")
     args = parser.parse_args(argv)
@@ -143,9 +180,17 @@ def main(argv: list[str] | None = None) -> int:
         bf16_us, _ = layer_time(linears, m, "bf16", args.target_ms)
         print(f"\nM={m}: bf16 {bf16_us:.1f} us per layer")
         best[m] = {"bf16_us": bf16_us}
-        sweeps = {"fp8": sweep_fp8(linears, m, args.target_ms) if fp8 else []}
+        sweeps = {}
+        if fp8 and str(m) in args.fp8_rows.split(","):
+            sweeps["fp8"] = sweep_weight_only(linears, m, "fp8", args.target_ms)
+        if linears[0].int8 is not None and str(m) in args.int8_rows.split(","):
+            sweeps["int8"] = sweep_weight_only(linears, m, "int8", args.target_ms)
         if str(m) in args.w4_rows.split(","):
             sweeps["w4a16"] = sweep_w4(linears, m, args.target_ms)
+        if linears[0].nf4 is not None and str(m) in args.nf4_rows.split(","):  # bitsandbytes' own paths beside
+            for kind in (["nf4-gemv"] if m == 1 else []) + ["nf4-dequantized"]:
+                us, error = layer_time(linears, m, kind, args.target_ms)
+                sweeps[kind] = [(us, (kind,), error)]
         for kind, options in sweeps.items():
             for us, option, error in options[:3]:
                 print(f"  {kind:6s} {us:8.1f} us  {bf16_us / us:5.2f}x bf16  err {error:.1e}  {option}")

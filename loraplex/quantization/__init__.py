@@ -184,7 +184,7 @@ def graph_blocker(model: nn.Module) -> str | None:
     """Why decode steps of `model` cannot be captured in CUDA graphs, or None: LLM.int8 picks its outlier
     columns on the host at every matmul (a device-to-host read, which a capture cannot hold)."""
     for module in model.modules():
-        if is_quantized(module) and bitsandbytes_mode.is_int8(module):
+        if bitsandbytes_mode.is_bitsandbytes_linear(module) and bitsandbytes_mode.is_int8(module):
             return "--quantize bitsandbytes (LLM.int8) reads its outlier columns on the host at every matmul"
     return None
 

@@ -11,9 +11,12 @@ tests check it):
                       blocks of 64 with one float32 absmax each (no double quantization, uint8 storage),
                       dequantized and multiplied in the compute dtype
 
-LLM.int8's outlier columns are chosen over all rows of a step, so with `bitsandbytes` a request's logits can
-move slightly with what it is batched with (its greedy tokens agree in the tests); the 4-bit modes keep rows
-independent.
+On CUDA with Triton in float16/bfloat16, each layer bitsandbytes quantized then moves its weights, unchanged, into
+our own layer (bnb_layers): the 4-bit modes compute what bitsandbytes computes; `bitsandbytes` multiplies its int8
+weights weight-only (the activations unquantized, no outlier threshold: closer to the float model than LLM.int8).
+Elsewhere (CPU) the bitsandbytes layers run as they are: there LLM.int8's outlier columns are chosen over all
+rows of a step, so with `bitsandbytes` a request's logits can move slightly with what it is batched with (its
+greedy tokens agree in the tests); the 4-bit modes keep rows independent.
 """
 
 from __future__ import annotations
@@ -60,8 +63,23 @@ def quantized_linear(bnb, linear: nn.Linear, mode: str, device: torch.device, co
         layer.weight = params.to(device)  # Params4bit quantizes on its move to a device
     if has_bias:
         layer.bias = nn.Parameter(linear.bias.detach().to(device), requires_grad=False)
+    if _own_kernels(torch.device(device), compute_dtype):
+        from loraplex.quantization.bnb_layers import from_bitsandbytes
+
+        own = from_bitsandbytes(layer)
+        if own is not None:
+            return own.train(linear.training)
     keep_cpu_4bit_packable(layer)
     return layer.train(linear.training)
+
+
+def _own_kernels(device: torch.device, compute_dtype: torch.dtype) -> bool:
+    """Whether bitsandbytes' weights go into our own layers (bnb_layers): on CUDA with Triton, in 16-bit."""
+    import torch
+
+    from loraplex.kernels import triton_available
+
+    return triton_available(device) and compute_dtype in (torch.float16, torch.bfloat16)
 
 
 # bitsandbytes' packed 4-bit CPU kernel (CPUs with AVX512-BF16) repacks a Linear4bit's weight at its first forward

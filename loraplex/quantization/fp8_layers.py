@@ -25,7 +25,7 @@ from loraplex.quantization.layer import QuantizedLinear
 
 SCALED_MM_MIN_ROWS = 1  # see Fp8Linear.min_rows
 WEIGHT_ONLY_DECODE = True  # see Fp8Linear.weight_only_decode
-WEIGHT_ONLY_MAX_ROWS = 16  # products of more rows take _scaled_mm (fp8_gemv's docstring says why)
+WEIGHT_ONLY_MAX_ROWS = 16  # products of more rows take _scaled_mm (weight_only's docstring says why)
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -57,7 +57,7 @@ class Fp8Linear(QuantizedLinear):
         # Products of fewer rows are padded to this many (zero rows) for `_scaled_mm`, with the Triton quantizer:
         # cuBLASLt's FP8 kernels for a few rows may be slower than for more; benchmarks/fp8_kernels.py measures.
         self.min_rows = SCALED_MM_MIN_ROWS
-        # Few rows (decode) on CUDA: the weight-only product (fp8_gemv: x unquantized); False: always _scaled_mm.
+        # Few rows (decode) on CUDA: the weight-only product (weight_only: x unquantized); False: always _scaled_mm.
         self.weight_only_decode = WEIGHT_ONLY_DECODE
 
     def dequantized(self) -> torch.Tensor:
@@ -78,9 +78,9 @@ class Fp8Linear(QuantizedLinear):
             out = rows.new_empty(0, self.out_features)
         elif (self.weight_only_decode and rows.shape[0] <= WEIGHT_ONLY_MAX_ROWS and self.in_features % 128 == 0
               and triton_available(x.device)):
-            import loraplex.quantization.fp8_gemv as fp8_gemv
+            import loraplex.quantization.weight_only as weight_only
 
-            return fp8_gemv.matmul(rows, self.weight, self.weight_scale, self.bias).view(*x.shape[:-1], self.out_features)
+            return weight_only.matmul(rows, self.weight, self.weight_scale, self.bias).view(*x.shape[:-1], self.out_features)
         else:
             if numerics.scaled_mm_usable(x.device, self.in_features, self.out_features):
                 q, q_scale = self.quantize_input(rows, self.min_rows)

@@ -20,7 +20,7 @@ import torch
 from loraplex.config import EngineConfig
 from loraplex.engine.loading import load_model
 from loraplex.lora.table import AdapterTable
-from loraplex.quantization import fp8_gemv
+from loraplex.quantization import weight_only
 from loraplex.quantization import fp8_numerics as numerics
 from loraplex.quantization.fp8 import quantize_linear
 from loraplex.quantization.fp8_layers import Fp8Linear
@@ -88,16 +88,16 @@ def test_padded_rows_are_zeros_and_leave_the_product_alone():
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_decode_rows_take_the_weight_only_kernel(monkeypatch, rows, bias, in_kernel):
-    """Up to 16 rows read the e4m3 weight directly (fp8_gemv, its "rows" kernel for one row, "dot" for more; the
+    """Up to 16 rows read the e4m3 weight directly (weight_only, its "rows" kernel for one row, "dot" for more; the
     split partials added by a second launch or in the kernel): x unquantized times the dequantized weight."""
-    monkeypatch.setattr(fp8_gemv, "IN_KERNEL_REDUCE", in_kernel)
+    monkeypatch.setattr(weight_only, "IN_KERNEL_REDUCE", in_kernel)
     layer = quantize_linear(float_linear(1024, 768, bias=bias), DEVICE, DTYPE)
     x = torch.randn(rows, 1024, device=DEVICE, dtype=DTYPE)
     want = x.float() @ layer.dequantized().t() + (layer.bias.float() if bias else 0)
     counters = split_counters(torch.device(DEVICE))
-    got = fp8_gemv.matmul(x, layer.weight, layer.weight_scale, layer.bias, counters)
+    got = weight_only.matmul(x, layer.weight, layer.weight_scale, layer.bias, counters)
     assert torch.equal(layer(x), got) and int(counters.abs().sum()) == 0
-    assert all(torch.equal(fp8_gemv.matmul(x, layer.weight, layer.weight_scale, layer.bias, counters), got)
+    assert all(torch.equal(weight_only.matmul(x, layer.weight, layer.weight_scale, layer.bias, counters), got)
                for _ in range(20)), "split partials are added in one order"
     assert got.dtype == DTYPE
     torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(), rtol=0)
