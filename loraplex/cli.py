@@ -342,6 +342,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         media=_media_config(args),
         validation_workers=args.validation_workers,
         default_max_tokens=args.default_max_tokens,
+        generation_config=args.generation_config,
         request_timeout_s=args.request_timeout_s,
         max_request_bytes=args.max_request_bytes,
         api_keys=tuple(args.api_key or ()),
@@ -400,6 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--default-max-tokens", type=_positive, default=_env("DEFAULT_MAX_TOKENS", None, _positive),
                        help="cap what an OpenAI request without max_tokens generates (chat: up to the context "
                             "limit otherwise; completions: 16)")
+    serve.add_argument("--generation-config", default=_env("GENERATION_CONFIG", "auto"), choices=["auto", "ignore"],
+                       help="auto: OpenAI requests take the model's generation_config.json temperature, top_p, top_k, "
+                            "min_p and repetition_penalty where they set none (as vLLM); ignore: they do not. The "
+                            "native API never takes them (as LoRAX)")
     serve.add_argument("--shutdown-timeout-s", type=_positive_float, default=_env("SHUTDOWN_TIMEOUT_S", 30.0, _positive_float),
                        help="after SIGTERM, how long requests in flight may go on; then each still running ends "
                             "with an error event (a stream) or a 503, and the server exits 0")

@@ -110,6 +110,9 @@ class BartSettings:
     layernorm_embedding: bool = True
     encoder_ffn_dim: int = 4096
     encoder_attention_heads: int = 16
+    # Untied checkpoints (tie_word_embeddings false, as transformers 5 saves them) hold the encoder's and decoder's
+    # token embeddings apart from `model.shared`: each stack then reads its own (build_model decides it).
+    stack_embeddings: bool = False
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,9 @@ class MllamaSettings:
     vision: MllamaVisionSettings
 
 
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -163,11 +169,23 @@ class ModelConfig:
     rope: RopeConfig
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2)
+    output_bias: bool = False  # the attention output projection's bias (Llama, Qwen3, Gemma with attention_bias)
     mlp_bias: bool = False
     hidden_act: str = "silu"
     sliding_window: int | None = None
+    # Which layers attend within sliding_window (transformers' layer_types: Qwen2/Qwen3 slide only the layers from
+    # max_window_layers on); None: every layer does, when sliding_window is set.
+    sliding_layers: tuple[bool, ...] | None = None
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before the rotary embedding (Qwen3)
+    # The checkpoint holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (Phi-3; PEFT names them so).
+    fused_projections: bool = False
+    norm_offset: float = 0.0  # RMSNorms scale by offset + weight (Gemma: 1, its weights stored as the difference)
+    embedding_scale: float | None = None  # token embeddings times this, in the model's dtype (Gemma: sqrt(hidden))
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # generation_config.json's sampling values, (name, value) for those it sets of SAMPLING_DEFAULT_FIELDS: what the
+    # OpenAI routes use where a request sets none (ServerConfig.generation_config), as vLLM does.
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
     vision: VisionConfig | None = None  # models that take images (llava_next)
     mpt: MptConfig | None = None  # MPT's own settings (model_type "mpt")
     encoder_decoder: EncoderDecoderConfig | None = None  # T5 and BART (num_layers etc. describe the decoder)
@@ -248,6 +266,10 @@ class ServerConfig:
     # OpenAI requests without max_tokens: chat generates up to the context limit, completions 16 tokens (OpenAI's
     # defaults); this caps both when set (`--default-max-tokens`; off, as in vLLM).
     default_max_tokens: int | None = None
+    # "auto": the model's generation_config.json sampling values (temperature, top_p, top_k, min_p,
+    # repetition_penalty) are the OpenAI routes' defaults where a request sets none (vLLM's default); "ignore": they
+    # are not. The native API never takes them (LoRAX's behaviour).
+    generation_config: str = "auto"
     request_timeout_s: float | None = None  # a request still running after this long is aborted (504 if unanswered)
     api_keys: tuple[str, ...] = ()  # when set, every route but /health needs `Authorization: Bearer KEY`
     # Request bodies larger than this are refused (413) before they are parsed (TGI's --payload-limit). Images

@@ -41,11 +41,17 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, dtype: torch.dtype = torch
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "gemma": transformers.GemmaConfig,
+        "phi3": transformers.Phi3Config,
     }[kind]
     model_cls = {
         "llama": transformers.LlamaForCausalLM,
         "mistral": transformers.MistralForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "gemma": transformers.GemmaForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
     }[kind]
     config = config_cls(**{**common, **overrides})
     config._attn_implementation = "eager"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import sys
 import time
@@ -13,7 +14,7 @@ from torch import nn
 
 from loraplex.checkpoints.sources import resolve_model
 from loraplex.checkpoints.weights import ModelSource, load_into, load_state_dict, read_json, renamed_state
-from loraplex.config import EngineConfig, ModelConfig
+from loraplex.config import SAMPLING_DEFAULT_FIELDS, EngineConfig, ModelConfig
 import loraplex.example_models  # noqa: F401  (registers the example models' ids with resolve_model)
 from loraplex.models.hf_config import token_id, token_ids
 from loraplex.models.registry import config_from_hf, model_class
@@ -26,6 +27,7 @@ from loraplex.quantization.checkpoint_format import (
 from loraplex.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+logger = logging.getLogger("loraplex.loading")
 
 
 @dataclass
@@ -67,8 +69,13 @@ def build_model(
     computing in `dtype`, from their own tensors; the strict loader then fills the rest.
 
     A config that ties the head to the embedding while the checkpoint holds a different head gets its own
-    head, as transformers does (transformers 5 saves T5 v1.1 / Flan-T5 with `tie_word_embeddings: true`).
+    head, as transformers does (transformers 5 saves T5 v1.1 / Flan-T5 with `tie_word_embeddings: true`). Where
+    else a family's config and its file disagree, the model is built as transformers builds it
+    (`config_for_checkpoint`), with a warning.
     """
+    config, changed = model_class(config).config_for_checkpoint(config, set(state))
+    if changed is not None:
+        logger.warning(changed)
     with torch.device("meta"):
         model = model_class(config)(config)
     if config.tie_word_embeddings and _head_differs_in(state, model):
@@ -164,8 +171,12 @@ def _generation_config(source: ModelSource) -> dict[str, Any]:
 
 
 def with_generation_config(config: ModelConfig, generation: dict[str, Any]) -> ModelConfig:
-    """An encoder-decoder config with the generation config's decoder start and forced tokens (which
-    win over config.json's, as in transformers)."""
+    """`config` with the generation config's sampling values (ModelConfig.sampling_defaults: the numbers it sets;
+    the server checks their ranges) and, for an encoder-decoder, its decoder start and forced tokens (which win over
+    config.json's, as in transformers)."""
+    defaults = tuple((name, generation[name]) for name in SAMPLING_DEFAULT_FIELDS
+                     if isinstance(generation.get(name), (int, float)) and not isinstance(generation[name], bool))
+    config = replace(config, sampling_defaults=defaults) if defaults else config
     encdec = config.encoder_decoder
     if encdec is None:
         return config

@@ -9,12 +9,20 @@ from loraplex.layers.kernels import fused_kernels_wanted
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """x * rsqrt(mean(x^2) + eps) * weight; with `offset` (Gemma's 1) the scale is offset + weight, taken in float32
+    and applied before the cast to x's dtype, as Gemma computes it (the fused kernels do not take an offset)."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (x32 * (self.offset + self.weight.float())).to(x.dtype)
         if fused_kernels_wanted(x.device) and x.dtype == self.weight.dtype and x.stride(-1) == 1:
             from loraplex.layers.kernels.elementwise import rms_norm
 
@@ -27,7 +35,7 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this norm of residual + x, residual + x): in a CUDA graph one kernel instead of two."""
-        if (fused_kernels_wanted(x.device) and x.dim() == 2 and x.shape == residual.shape
+        if (not self.offset and fused_kernels_wanted(x.device) and x.dim() == 2 and x.shape == residual.shape
                 and x.dtype == residual.dtype == self.weight.dtype and x.stride(-1) == residual.stride(-1) == 1):
             from loraplex.layers.kernels.elementwise import add_rms_norm
 

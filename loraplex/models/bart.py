@@ -13,7 +13,7 @@ encoder and decoder may have different head counts and feed-forward widths (cros
 decoder's heads). BART's layers are post-norm (norm after each residual add); mBART's are pre-norm, with a
 final LayerNorm after each stack. The encoder's and decoder's `embed_tokens` are `model.shared` (checkpoints
 hold them under any of those names, or only one); the head is tied to it unless `tie_word_embeddings` is
-false. transformers' layers clamp float16 activations to the finite range; so do ours (BART's encoder
+false, and an untied checkpoint that holds each stack's embeddings gives each stack its own, as transformers does. transformers' layers clamp float16 activations to the finite range; so do ours (BART's encoder
 clamps only non-finite values; clamping always differs only within 1000 of float16's maximum).
 
 Interface (DESIGN.md 7): `encode(input_ids [E], positions [E]) -> [E, d_model]` for the step's encoder rows,
@@ -24,6 +24,7 @@ computed from `encoder_hidden` for the requests whose encoder ran this step), `c
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -145,8 +146,11 @@ class BartModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.shared = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.encoder = BartStack(config, self.shared, decoder=False)
-        self.decoder = BartStack(config, self.shared, decoder=True)
+        own = config.bart.stack_embeddings  # each stack its own table (untied checkpoints), else the shared one
+        self.encoder = BartStack(config, nn.Embedding(config.vocab_size, config.hidden_size) if own else self.shared,
+                                 decoder=False)
+        self.decoder = BartStack(config, nn.Embedding(config.vocab_size, config.hidden_size) if own else self.shared,
+                                 decoder=True)
 
 
 class BartForConditionalGeneration(nn.Module, ModelFamily):
@@ -165,6 +169,15 @@ class BartForConditionalGeneration(nn.Module, ModelFamily):
             self.lm_head.weight = self.model.shared.weight
         self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size))
 
+    @classmethod
+    def config_for_checkpoint(cls, config: ModelConfig, names: set[str]) -> tuple[ModelConfig, str | None]:
+        """An untied checkpoint holding each stack's token embeddings: each stack reads its own, as transformers'
+        untied BART does (its `model.shared` then feeds nothing but may still be saved)."""
+        stacks = {"model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"}
+        if config.tie_word_embeddings or not stacks <= names:
+            return config, None
+        return replace(config, bart=replace(config.bart, stack_embeddings=True)), None
+
     def encode(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The step's encoder rows (positions 0.. within each request) -> the encoder output."""
         return self.model.encoder(input_ids, positions)
@@ -172,7 +185,7 @@ class BartForConditionalGeneration(nn.Module, ModelFamily):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings as the stacks take them (scaled; positions not added), as transformers'
         `get_input_embeddings()`."""
-        return self.model.shared(input_ids) * self.model.decoder.embed_scale
+        return self.model.decoder.embed_tokens(input_ids) * self.model.decoder.embed_scale
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, encoder_hidden: torch.Tensor | None = None

@@ -10,9 +10,12 @@ below say what each input kind adds to the interface.
 from __future__ import annotations
 
 import enum
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from loraplex.config import ModelConfig
 
 
 class ModelInputs(enum.Flag):
@@ -50,6 +53,12 @@ class ModelFamily(Protocol):
     def checkpoint_name(name: str) -> str:
         """The module name a checkpoint tensor fills (families whose checkpoints come in several layouts)."""
         return name
+
+    @classmethod
+    def config_for_checkpoint(cls, config: ModelConfig, names: set[str]) -> tuple[ModelConfig, str | None]:
+        """`config` as transformers builds the model for a checkpoint holding the tensors `names`, where the
+        config and the file disagree, and one line saying what changed (None: nothing did)."""
+        return config, None
 
 
 class EncoderDecoderModel(ModelFamily, Protocol):

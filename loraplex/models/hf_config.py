@@ -58,7 +58,7 @@ HF_FIELDS: dict[str, tuple[str, float, float]] = {
     "image_size": ("ints", 1, 1 << 14), "patch_size": ("int", 1, 1 << 14), "num_channels": ("int", 1, 64),
     **dict.fromkeys(("bos_token_id", "eos_token_id", "decoder_start_token_id", "forced_bos_token_id",
                      "forced_eos_token_id", "image_token_id", "image_token_index"), ("ints", *_TOKEN)),
-    "sliding_window": ("int", *_TOKEN),  # 0 in some configs that turn it off (use_sliding_window false)
+    "sliding_window": ("int", *_TOKEN), "max_window_layers": ("int", 0, 1 << 12),  # 0 in some configs that turn it off (use_sliding_window false)
     **dict.fromkeys(("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps"), ("num", 0, 1)),
     "rope_theta": ("num", 1, 10**12), "alibi_bias_max": ("num", 0, 1000), "expansion_ratio": ("num", *_FACTOR),
     **dict.fromkeys(("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow",

@@ -1,5 +1,7 @@
-"""The Llama family: Llama 2/3 (incl. llama3 rope scaling), Mistral, Qwen2 (qkv bias), tied or untied
-embeddings, grouped-query attention. Parameter names match Hugging Face checkpoints.
+"""The Llama family: Llama 2/3 (incl. llama3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms over each
+head), Gemma (norms scaling by 1 + weight, embeddings by sqrt(hidden), tanh GELU), Phi-3 (q/k/v and gate/up each
+one linear in its checkpoints), tied or untied embeddings, grouped-query attention, a sliding window on every layer or on some (Qwen's
+max_window_layers, transformers' layer_types). Parameter names match Hugging Face checkpoints.
 
 The model runs on flat token rows: `forward(input_ids [T], positions [T]) -> hidden [T, hidden]`.
 Which rows belong to which sequence is the attention layer's business (the forward context).
@@ -32,20 +34,35 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-        self.attn = PagedAttention(
-            layer_index, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, config.sliding_window
-        )
+        self.sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
+        self.fused = config.fused_projections
+        if self.fused:  # Phi-3: one linear as published (its siblings are fused already)
+            self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=bias)
+            self.SIBLINGS = ()
+        else:
+            self.q_proj = nn.Linear(config.hidden_size, self.sizes[0], bias=bias)
+            self.k_proj = nn.Linear(config.hidden_size, self.sizes[1], bias=bias)
+            self.v_proj = nn.Linear(config.hidden_size, self.sizes[2], bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.output_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        slides = config.sliding_layers is None or config.sliding_layers[layer_index]
+        self.attn = PagedAttention(layer_index, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+                                   config.sliding_window if slides else None)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        q, k, v = project(self, x, ("q_proj", "k_proj", "v_proj"))
+        if self.fused:
+            q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        else:
+            q, k, v = project(self, x, ("q_proj", "k_proj", "v_proj"))
         q = q.view(rows, self.num_heads, self.head_dim)
         k = k.view(rows, self.num_kv_heads, self.head_dim)
         v = v.view(rows, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, rope)
         return self.o_proj(self.attn(q, k, v).reshape(rows, -1))
 
@@ -56,21 +73,28 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         bias = config.mlp_bias
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.fused = config.fused_projections
+        if self.fused:  # Phi-3: gate then up, in one linear
+            self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+            self.SIBLINGS = ()
+        else:
+            self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+            self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(act_and_mul(self.act, *self.gate_up_proj(x).chunk(2, dim=-1)))
         return self.down_proj(act_and_mul(self.act, *project(self, x, ("gate_proj", "up_proj"))))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         self.self_attn = LlamaAttention(config, layer_index)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         self.mlp = LlamaMLP(config)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -96,14 +120,22 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim)
+        self.embedding_scale = config.embedding_scale
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings as the layers take them (Gemma's scaled by sqrt(hidden), rounded to their dtype)."""
+        x = self.embed_tokens(input_ids)
+        if self.embedding_scale is not None:
+            x = x * torch.tensor(self.embedding_scale, dtype=x.dtype)
+        return x
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
     ) -> torch.Tensor:
         # `inputs_embeds` [T, hidden]: rows already embedded (image features in placeholder rows).
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary(positions, x.dtype)
         output = None
         for layer in self.layers:
@@ -123,7 +155,7 @@ class LlamaForCausalLM(nn.Module, ModelFamily):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        return self.model.embed(input_ids)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
@@ -134,18 +166,48 @@ class LlamaForCausalLM(nn.Module, ModelFamily):
         return self.lm_head(hidden)
 
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
+_QWEN = ("qwen2", "qwen3")
+_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+
+
+def sliding_layers(hf: dict[str, Any], num_layers: int, sliding_window: int | None) -> tuple[bool, ...] | None:
+    """Which layers slide, as transformers decides it: its `layer_types` when the config lists them; for Qwen2 and
+    Qwen3 the layers from `max_window_layers` on; otherwise every layer (None)."""
+    if sliding_window is None:
+        return None
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+        if (not isinstance(layer_types, list) or len(layer_types) != num_layers
+                or any(t not in _LAYER_TYPES for t in layer_types)):
+            raise ValueError(f"config.json: layer_types must list {num_layers} of {', '.join(_LAYER_TYPES)}; got "
+                             f"{str(layer_types)[:120]}")
+        return tuple(_LAYER_TYPES[t] for t in layer_types)
+    if hf.get("model_type") in _QWEN:
+        first = hf.get("max_window_layers", 28)  # transformers' default for both
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ValueError(f"config.json: max_window_layers must be a whole number; got {first!r}")
+        return tuple(i >= first for i in range(num_layers))
+    return None
 
 
 def llama_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """Llama, Mistral and Qwen2 (config.json as transformers writes it) -> our ModelConfig."""
+    """Llama, Mistral, Qwen2, Qwen3, Gemma and Phi-3 (config.json as transformers writes it) -> our ModelConfig."""
     model_type = hf.get("model_type", "llama")
     num_heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    sliding_window = hf.get("sliding_window")
-    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+    gemma = model_type == "gemma"
+    partial = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"config.json: partial_rotary_factor {partial!r} (rotary on part of each head) is not served yet")
+    attention_bias = bool(hf.get("attention_bias", model_type == "qwen2"))
+    hidden_act = hf.get("hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
+    if gemma and hidden_act == "gelu":  # Gemma's legacy value, meant as the tanh approximation (transformers says so)
+        hidden_act = "gelu_pytorch_tanh"
+    sliding_window = hf.get("sliding_window") or None  # 0 turns it off in some configs
+    if model_type in _QWEN and not hf.get("use_sliding_window", False):
         sliding_window = None
     return ModelConfig(
         model_type=model_type,
@@ -159,11 +221,17 @@ def llama_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         rope=rope_from_hf(hf),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+        attention_bias=attention_bias,
+        output_bias=attention_bias and model_type in ("llama", "qwen3", "gemma"),
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        hidden_act=hf.get("hidden_act", "silu"),
+        hidden_act=hidden_act,
         sliding_window=sliding_window,
+        sliding_layers=sliding_layers(hf, hf["num_hidden_layers"], sliding_window),
+        qk_norm=model_type == "qwen3",
+        fused_projections=model_type == "phi3",
+        norm_offset=1.0 if gemma else 0.0,
+        embedding_scale=hf["hidden_size"] ** 0.5 if gemma else None,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )

@@ -11,6 +11,7 @@ order, so `positions` is not read here.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -122,6 +123,15 @@ class MptForCausalLM(nn.Module, ModelFamily):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
         self.logit_scale = config.mpt.logit_scale
+
+    @classmethod
+    def config_for_checkpoint(cls, config: ModelConfig, names: set[str]) -> tuple[ModelConfig, str | None]:
+        """transformers builds MPT without biases whatever `no_bias` says: a file that holds none loads without."""
+        if config.mpt.no_bias or any(name.endswith(".bias") for name in names):
+            return config, None
+        return replace(config, attention_bias=False, mlp_bias=False, mpt=replace(config.mpt, no_bias=True)), (
+            "config.json says no_bias: false but the checkpoint holds no biases: built without them, as "
+            "transformers builds MPT")
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.transformer.wte(input_ids)

@@ -19,6 +19,7 @@ computed from `encoder_hidden` for the requests whose encoder ran this step), `c
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -220,6 +221,15 @@ class T5ForConditionalGeneration(nn.Module, ModelFamily):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.shared.weight
         self.output_scale = config.hidden_size**-0.5 if config.t5.scale_decoder_outputs else None
+
+    @classmethod
+    def config_for_checkpoint(cls, config: ModelConfig, names: set[str]) -> tuple[ModelConfig, str | None]:
+        """transformers 5 always ties T5's head to the embedding: a file with no head of its own loads tied."""
+        if config.tie_word_embeddings or "lm_head.weight" in names or "shared.weight" not in names:
+            return config, None
+        return replace(config, tie_word_embeddings=True), (
+            "config.json says tie_word_embeddings: false but the checkpoint holds no lm_head.weight: the head is "
+            "the embedding, as transformers 5 loads it")
 
     def encode(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The step's encoder rows -> the encoder output (positions are implicit: T5's are relative)."""

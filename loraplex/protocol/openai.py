@@ -16,7 +16,7 @@ import json
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from loraplex.params import SamplingParams
 from loraplex.protocol.base import (
@@ -118,6 +118,11 @@ class SamplingFields(RequestModel):
         """The answer's one constraint (Unsupported when there are several)."""
         return one_constraint(self.output_constraints())
 
+    def with_defaults(self, defaults: dict[str, float]) -> "SamplingFields":
+        """This request with `defaults` (the model's generation config) in the sampling fields it leaves unset."""
+        unset = {name: value for name, value in defaults.items() if getattr(self, name) is None}
+        return self.model_copy(update=unset) if unset else self
+
     def to_sampling_params(self, max_tokens: int, top_n: int = 0, prompt_logprobs: bool = False) -> SamplingParams:
         """OpenAI semantics: temperature 0 (below SAMPLING_EPS, as vLLM) is greedy (other warpers off); otherwise
         sampling (default 1.0)."""
@@ -136,6 +141,20 @@ class SamplingFields(RequestModel):
             greedy, do_sample=True, temperature=temperature, top_k=max(0, self.top_k or 0), top_p=self.top_p or 1.0,
             min_p=self.min_p or 0.0,
         )
+
+
+def checked_sampling_defaults(pairs: tuple[tuple[str, float], ...]) -> tuple[dict[str, float], list[str]]:
+    """The model's sampling defaults (ModelConfig.sampling_defaults) that a request could set itself, each checked as
+    a request's field is, and a line for each one refused."""
+    accepted, refused = {}, []
+    for name, value in pairs:
+        try:
+            SamplingFields.model_validate({name: value})
+        except ValidationError:
+            refused.append(f"generation_config.json: {name} {value!r} is outside what the OpenAI API accepts; ignored")
+        else:
+            accepted[name] = value
+    return accepted, refused
 
 
 # What the server refuses whatever its model, stated in the schema (so the OpenAPI document says it too): negative

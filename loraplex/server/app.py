@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response
@@ -11,6 +13,7 @@ from loraplex.config import ServerConfig
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import Engine
 from loraplex.lora.store import AdapterStore
+from loraplex.protocol.openai import checked_sampling_defaults
 from loraplex.server import native, openai_routes, playground
 from loraplex.server.docs import mount_docs
 from loraplex.server.errors import install_error_handlers
@@ -20,6 +23,20 @@ from loraplex.server.disconnects import CancelOnDisconnect
 from loraplex.server.request_log import RequestLog
 from loraplex.server.state import ServerState, get_state
 from loraplex.server.validation import Validation
+
+log = logging.getLogger("loraplex.server")
+
+
+def generation_config_defaults(pairs: tuple[tuple[str, float], ...]) -> dict[str, float]:
+    """The OpenAI routes' sampling defaults from the model's generation config, said once at start-up."""
+    defaults, refused = checked_sampling_defaults(pairs)
+    for line in refused:
+        log.warning(line)
+    if defaults:
+        values = ", ".join(f"{name}={value}" for name, value in defaults.items())
+        log.info(f"OpenAI requests take generation_config.json's {values} where they set none "
+                 "(--generation-config ignore: they do not)")
+    return defaults
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
@@ -33,6 +50,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
                         validation=Validation(config.validation_workers, core.config.max_input_length,
                                               core.tokenizer.longest_token_chars))
     state.metrics.watch_admission(state.admission)
+    if config.generation_config == "auto":
+        state.sampling_defaults = generation_config_defaults(core.model_config.sampling_defaults)
     app.state.loraplex = state
     if config.api_keys:
         app.add_middleware(ApiKeys, keys=config.api_keys)

@@ -137,7 +137,7 @@ def sampling_params(
     state: ServerState, body: SamplingFields, max_tokens: int, top_n: int = 0, prompt_logprobs: bool = False
 ) -> SamplingParams:
     check_stop_sequences(state, len(body.stops))
-    return body.to_sampling_params(max_tokens, top_n, prompt_logprobs)
+    return body.with_defaults(state.sampling_defaults).to_sampling_params(max_tokens, top_n, prompt_logprobs)
 
 
 def refusing(method: Callable[[], T]) -> T:

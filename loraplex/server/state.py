@@ -56,6 +56,8 @@ class ServerState:
     admission: Admission = field(default_factory=Admission)
     started_at: float = field(default_factory=time.time)
     validation: Validation | None = None  # create_app's: the validation workers and the prompt length bound
+    # The OpenAI routes' sampling defaults from the model's generation config (ServerConfig.generation_config).
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
     # Set at a shutdown's deadline: every request still running ends (server/disconnects.py).
     shutting_down: ShutdownSignal = field(default_factory=ShutdownSignal)
 

@@ -28,6 +28,7 @@ VARIANTS = {
     "bart-tied": ("bart", dict()),
     "bart-scaled-untied": ("bart", dict(scale_embedding=True, tie_word_embeddings=False, seed=1)),
     "mbart-scaled": ("mbart", dict(scale_embedding=True)),
+    "mbart-untied": ("mbart", dict(tie_word_embeddings=False, seed=2)),
 }
 
 
@@ -61,10 +62,8 @@ def tiny_bart(seed: int = 0, vocab_size: int = 300, kind: str = "bart", logits_b
                 std = 3.0 if strong else 1.0 if "encoder_attn" in name else 0.3
                 p.normal_(0, std / p.shape[1] ** 0.5)
         model.final_logits_bias.normal_(0, logits_bias_std)
-        if not config.tie_word_embeddings:
-            # transformers 5 unties the stacks' embed_tokens from `shared` too; checkpoints hold them equal.
-            model.model.encoder.embed_tokens.weight.copy_(model.model.shared.weight)
-            model.model.decoder.embed_tokens.weight.copy_(model.model.shared.weight)
+    # Untied (tie_word_embeddings false), transformers 5 gives the stacks embed_tokens of their own, apart from
+    # `shared` and the head: here all four differ, and each is saved.
     return model
 
 
@@ -84,7 +83,9 @@ def test_config_normalised(pair):
     assert config.bart.normalize_before == config.bart.add_final_layer_norm == mbart
     assert config.encoder_decoder.decoder_start_token_id == (0 if mbart else 2)
     assert (ours.lm_head.weight is ours.model.shared.weight) == hf.config.tie_word_embeddings
-    assert ours.model.encoder.embed_tokens is ours.model.shared is ours.model.decoder.embed_tokens
+    tied = hf.config.tie_word_embeddings
+    assert (ours.model.encoder.embed_tokens is ours.model.shared is ours.model.decoder.embed_tokens) == tied
+    assert (ours.model.encoder.embed_tokens is ours.model.decoder.embed_tokens) == tied
     assert config.encoder_decoder.forced_eos_token_ids == (EOS,)
 
 

@@ -21,6 +21,17 @@ VARIANTS = {
                              "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
     "mistral-sliding": ("mistral", {"sliding_window": 12}),
     "qwen2-bias": ("qwen2", {}),
+    # transformers slides only the layers from max_window_layers on: here the second of two.
+    "qwen2-window-from-layer-1": ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}),
+    # q/k norms over each head; head_dim 32, not hidden / heads (16), as Qwen3's configs set it apart.
+    "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+    # norms scaling by 1 + weight, embeddings by sqrt(hidden), the tanh GELU (its legacy "gelu" name), tied head.
+    "gemma": ("gemma", {"head_dim": 32, "hidden_act": "gelu"}),
+    # q/k/v as one qkv_proj, gate/up as one gate_up_proj; Phi-3 slides every layer when sliding_window is set.
+    "phi3": ("phi3", {"pad_token_id": 0}),
+    "phi3-sliding": ("phi3", {"pad_token_id": 0, "sliding_window": 12}),
+    "llama-attention-bias": ("llama", {"attention_bias": True}),  # q/k/v and o_proj biases, as transformers builds
+    "qwen3-window-from-layer-1": ("qwen3", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}),
 }
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 1, 64, 128, 11, 12, 13, 14, 15, 16, 200, 201, 202, 9, 8, 7], [3, 1, 4, 1, 5], [77]]
@@ -51,3 +62,12 @@ def test_greedy_tokens_match_transformers(pair):
     for prompt, result in zip(PROMPTS, results):
         expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new, min_new_tokens=new)
         assert result.token_ids == expected[0, len(prompt):].tolist()
+
+
+def test_partial_rotary_is_refused_by_name():
+    from loraplex.models.registry import config_from_hf
+
+    hf = tiny_hf_model("phi3", pad_token_id=0).config.to_dict()
+    hf["rope_parameters"] = {**hf["rope_parameters"], "partial_rotary_factor": 0.75}
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
+        config_from_hf(hf)

@@ -56,6 +56,13 @@ def test_max_queued_tokens_is_off_by_default_and_comes_from_flag_or_environment(
         build_parser().parse_args(["serve", "--max-queued-tokens", "0"])
 
 
+def test_generation_config_defaults_are_on_unless_ignored(monkeypatch):
+    assert build_parser().parse_args(["serve"]).generation_config == "auto"
+    assert build_parser().parse_args(["serve", "--generation-config", "ignore"]).generation_config == "ignore"
+    monkeypatch.setenv("GENERATION_CONFIG", "ignore")
+    assert build_parser().parse_args(["serve"]).generation_config == "ignore"
+
+
 def test_default_max_tokens_is_off_by_default_and_comes_from_flag_or_environment(monkeypatch):
     assert build_parser().parse_args(["serve"]).default_max_tokens is None
     assert build_parser().parse_args(["serve", "--default-max-tokens", "256"]).default_max_tokens == 256
