@@ -191,7 +191,7 @@ def run_setting(args, config: ModelConfig, name: str, device: torch.device, dtyp
         prompts = [[rng.randrange(3, config.vocab_size) for _ in range(args.prompt_len)] for _ in range(work.requests)]
         adapters = [made[i % work.adapters] if work.adapters else None for i in range(work.requests)]
         engine.generate(prompts, params, adapters=adapters)  # untimed: captures this workload's graphs
-        decode_s, tokens = min((_timed_decode(engine, prompts, params, adapters, device) for _ in range(args.repeats)),
+        decode_s, tokens = min((timed_decode(engine, prompts, params, adapters, device) for _ in range(args.repeats)),
                                key=lambda run: run[0] / run[1])
         work.decode_tokens_per_s = tokens / decode_s
         if work.requests == 1:
@@ -203,7 +203,7 @@ def run_setting(args, config: ModelConfig, name: str, device: torch.device, dtyp
     return result
 
 
-def _timed_decode(engine: Engine, prompts, params, adapters, device) -> tuple[float, int]:
+def timed_decode(engine: Engine, prompts, params, adapters, device) -> tuple[float, int]:
     """(seconds after every request has its first token, tokens generated in them)."""
     requests = [engine.add_request(p, params, adapter=a) for p, a in zip(prompts, adapters)]
     pending = {r.request_id for r in requests}

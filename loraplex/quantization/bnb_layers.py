@@ -31,14 +31,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from loraplex.kernels import triton_available
-from loraplex.quantization.layer import QuantizedLinear
+from loraplex.quantization.layer import QuantizedLinear, common_key, frozen, fuse_by_channel
 
 FOUR_BIT_BLOCK = 64  # input features per absmax: bitsandbytes' blocksize, which quantized_linear sets
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _frozen(tensor: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(tensor, requires_grad=False)
 
 
 class _ChannelRowsLinear(QuantizedLinear):
@@ -57,27 +53,15 @@ class _ChannelRowsLinear(QuantizedLinear):
     @classmethod
     def fuse_siblings(cls, linears: list[nn.Module]):
         """One layer computing `linears` (siblings reading one input) in one product, their outputs concatenated in
-        order; each sibling's tensors become views of the fused layer's. None when they cannot fuse."""
-        if not all(type(linear) is cls for linear in linears):
-            return None
+        order; each sibling's tensors become views of the fused layer's. None when they cannot fuse (another kind,
+        options or code book)."""
         first = linears[0]
-        keys = {(lin.in_features, lin.weight.device, lin.bias is None, None if lin.bias is None else lin.bias.dtype,
-                 *(tuple(getattr(lin, name).tolist()) for name in cls.SHARED), lin._fuse_key()) for lin in linears}
-        if len(keys) != 1:
+        shared = [getattr(first, name) for name in cls.SHARED]
+        if any(not torch.equal(getattr(linear, name), getattr(first, name)) for linear in linears[1:]
+               for name in cls.SHARED if type(linear) is cls):
             return None
-        with torch.no_grad():
-            stacked = [torch.cat([getattr(lin, name) for lin in linears]) for name in cls.TENSORS]
-            bias = None if first.bias is None else torch.cat([lin.bias for lin in linears])
-            fused = cls(*stacked, *(getattr(first, name) for name in cls.SHARED), bias=bias, **first._init_options())
-        start = 0
-        for linear in linears:
-            rows = slice(start, start + linear.out_features)
-            for name in cls.TENSORS:
-                setattr(linear, name, _frozen(getattr(fused, name)[rows]))
-            if fused.bias is not None:
-                linear.bias = _frozen(fused.bias[rows])
-            start += linear.out_features
-        return fused
+        return fuse_by_channel(cls, linears, cls.TENSORS, lambda lin: (common_key(lin), lin._fuse_key()),
+                               lambda stacked, bias: cls(*stacked, *shared, bias=bias, **first._init_options()))
 
     def _fuse_key(self) -> tuple:
         return ()
@@ -97,9 +81,9 @@ class Int8Linear(_ChannelRowsLinear):
         if weight.dtype != torch.int8 or weight_scale.shape != (out_features,):
             raise ValueError(f"an int8 layer needs int8 [N, K] and scales [N], not {weight.dtype} {tuple(weight.shape)}"
                              f" and {tuple(weight_scale.shape)}")
-        self.weight = _frozen(weight.contiguous())
-        self.weight_scale = _frozen(weight_scale.to(torch.float32).contiguous())
-        self.bias = None if bias is None else _frozen(bias)
+        self.weight = frozen(weight.contiguous())
+        self.weight_scale = frozen(weight_scale.to(torch.float32).contiguous())
+        self.bias = None if bias is None else frozen(bias)
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float() * self.weight_scale[:, None]
@@ -131,10 +115,10 @@ class FourBitLinear(_ChannelRowsLinear):
                              f"[N, K/{FOUR_BIT_BLOCK}] and a 16-value code, not {weight.dtype} {tuple(weight.shape)}, "
                              f"{tuple(absmax.shape)} and {code.numel()} values")
         self.quant_type = quant_type
-        self.weight = _frozen(weight.contiguous())
-        self.absmax = _frozen(absmax.to(torch.float32).contiguous())
-        self.code = _frozen(code.to(device=weight.device, dtype=torch.float32).contiguous())
-        self.bias = None if bias is None else _frozen(bias)
+        self.weight = frozen(weight.contiguous())
+        self.absmax = frozen(absmax.to(torch.float32).contiguous())
+        self.code = frozen(code.to(device=weight.device, dtype=torch.float32).contiguous())
+        self.bias = None if bias is None else frozen(bias)
 
     def codes(self) -> torch.Tensor:
         """The 4-bit codes [N, K] (uint8), in input-feature order."""

@@ -20,16 +20,12 @@ from torch import nn
 
 from loraplex.kernels import triton_available
 import loraplex.quantization.fp8_numerics as numerics
-from loraplex.quantization.layer import QuantizedLinear
+from loraplex.quantization.layer import QuantizedLinear, common_key, frozen, fuse_by_channel
 
 
 SCALED_MM_MIN_ROWS = 1  # see Fp8Linear.min_rows
 WEIGHT_ONLY_DECODE = True  # see Fp8Linear.weight_only_decode
 WEIGHT_ONLY_MAX_ROWS = 16  # products of more rows take _scaled_mm (weight_only's docstring says why)
-
-
-def _frozen(tensor: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(tensor, requires_grad=False)
 
 
 class Fp8Linear(QuantizedLinear):
@@ -46,12 +42,12 @@ class Fp8Linear(QuantizedLinear):
             scale = scale.expand(out_features)
         if scale.numel() != out_features:
             raise ValueError(f"weight_scale has {scale.numel()} values for {out_features} output channels")
-        self.weight = _frozen(weight.contiguous())
-        self.weight_scale = _frozen(scale.contiguous())
-        self.bias = None if bias is None else _frozen(bias)
+        self.weight = frozen(weight.contiguous())
+        self.weight_scale = frozen(scale.contiguous())
+        self.bias = None if bias is None else frozen(bias)
         if input_scale is not None:
             input_scale = input_scale.to(device=weight.device, dtype=torch.float32).reshape(())
-        self.input_scale = None if input_scale is None else _frozen(input_scale)
+        self.input_scale = None if input_scale is None else frozen(input_scale)
         # "triton" (one launch) where it runs, else "torch" (four ops); benchmarks/fp8_kernels.py sets it to compare.
         self.activation_quant = "triton" if triton_available(weight.device) else "torch"
         # Products of fewer rows are padded to this many (zero rows) for `_scaled_mm`, with the Triton quantizer:
@@ -99,27 +95,17 @@ class Fp8Linear(QuantizedLinear):
         concatenated in order; each sibling's tensors become views of the fused layer's (no second copy). None
         when they cannot fuse. Static input scales: the fused layer takes their max (every sibling's input is the
         same x, so the largest scale saturates none of them)."""
-        if not all(type(linear) is cls for linear in linears):
-            return None
         first = linears[0]
-        if len({(lin.in_features, lin.weight.device, lin.bias is None, lin.input_scale is None,
-                 None if lin.bias is None else lin.bias.dtype) for lin in linears}) != 1:
-            return None
-        with torch.no_grad():
+
+        def build(stacked: list[torch.Tensor], bias: torch.Tensor | None) -> Fp8Linear:
             input_scale = None if first.input_scale is None else torch.stack([lin.input_scale for lin in linears]).amax()
-            fused = cls(torch.cat([lin.weight for lin in linears]), torch.cat([lin.weight_scale for lin in linears]),
-                        None if first.bias is None else torch.cat([lin.bias for lin in linears]), input_scale)
-        fused.activation_quant, fused.min_rows = first.activation_quant, first.min_rows
-        fused.weight_only_decode = first.weight_only_decode
-        start = 0
-        for linear in linears:
-            rows = slice(start, start + linear.out_features)
-            linear.weight = _frozen(fused.weight[rows])
-            linear.weight_scale = _frozen(fused.weight_scale[rows])
-            if fused.bias is not None:
-                linear.bias = _frozen(fused.bias[rows])
-            start += linear.out_features
-        return fused
+            fused = cls(*stacked, bias, input_scale)
+            fused.activation_quant, fused.min_rows = first.activation_quant, first.min_rows
+            fused.weight_only_decode = first.weight_only_decode
+            return fused
+
+        return fuse_by_channel(cls, linears, ("weight", "weight_scale"),
+                               lambda lin: (common_key(lin), lin.input_scale is None), build)
 
 
 class Fp8BlockLinear(QuantizedLinear):
@@ -137,9 +123,9 @@ class Fp8BlockLinear(QuantizedLinear):
         want = (-(-out_features // block[0]), -(-in_features // block[1]))
         if tuple(weight_scale_inv.shape) != want:
             raise ValueError(f"weight_scale_inv is {tuple(weight_scale_inv.shape)}, blocks of {block} need {want}")
-        self.weight = _frozen(weight.contiguous())
-        self.weight_scale_inv = _frozen(weight_scale_inv.to(device=weight.device, dtype=torch.float32).contiguous())
-        self.bias = None if bias is None else _frozen(bias)
+        self.weight = frozen(weight.contiguous())
+        self.weight_scale_inv = frozen(weight_scale_inv.to(device=weight.device, dtype=torch.float32).contiguous())
+        self.bias = None if bias is None else frozen(bias)
 
     def dequantized(self) -> torch.Tensor:
         block_n, block_k = self.block

@@ -3,6 +3,8 @@ like any linear, that stores its weight in its own form and says how to read it 
 
 from __future__ import annotations
 
+from typing import Callable, Hashable, Sequence
+
 import torch
 from torch import nn
 
@@ -42,3 +44,40 @@ class QuantizedLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def frozen(tensor: torch.Tensor) -> nn.Parameter:
+    """A quantized layer's stored tensor: a parameter (so .to() and state_dict see it) that takes no gradient."""
+    return nn.Parameter(tensor, requires_grad=False)
+
+
+def fuse_by_channel(
+    cls: type[QuantizedLinear], linears: Sequence[nn.Module], names: Sequence[str],
+    key: Callable[[QuantizedLinear], Hashable],
+    build: Callable[[list[torch.Tensor], torch.Tensor | None], QuantizedLinear],
+) -> QuantizedLinear | None:
+    """Siblings stored by output channel (dim 0 of each tensor in `names`) as one layer: `build(stacked, bias)` gets
+    their tensors and biases concatenated in order, and each sibling's tensors then become row views of the fused
+    layer's (no second copy). None unless every sibling is a `cls` and they agree on `key` (what one product needs
+    alike: input width, device, bias, the subclass's options)."""
+    if not all(type(linear) is cls for linear in linears) or len({key(linear) for linear in linears}) != 1:
+        return None
+    with torch.no_grad():
+        stacked = [torch.cat([getattr(linear, name) for linear in linears]) for name in names]
+        bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
+        fused = build(stacked, bias)
+    start = 0
+    for linear in linears:
+        rows = slice(start, start + linear.out_features)
+        for name in names:
+            setattr(linear, name, frozen(getattr(fused, name)[rows]))
+        if fused.bias is not None:
+            linear.bias = frozen(fused.bias[rows])
+        start += linear.out_features
+    return fused
+
+
+def common_key(linear: QuantizedLinear) -> tuple:
+    """What any two fused siblings must share: the input width, the device, and the bias (or its absence)."""
+    bias = linear.bias
+    return linear.in_features, next(iter(linear.quantized_tensors())).device, None if bias is None else bias.dtype
