@@ -16,23 +16,33 @@ KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype (layers/kv_quant.py)
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3 | yarn
+    kind: str = "default"  # default | linear | llama3 | yarn | dynamic | longrope
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+    # The pretraining context. dynamic and longrope choose each row's frequencies by whether its sequence is longer
+    # (dynamic: transformers' max_position_embeddings; longrope: Phi-3's original_max_position_embeddings).
     original_max_position_embeddings: int = 8192
     # YaRN: the band of dimensions between beta_fast and beta_slow rotations over the original context is
-    # interpolated; cos and sin are scaled by attention_factor (1.0 for every other kind).
+    # interpolated; cos and sin are scaled by attention_factor (YaRN's and LongRoPE's; 1.0 for every other kind).
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
+    # LongRoPE: each frequency divided by its factor, the long ones in sequences past the original context.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    # Rotary on the first int(head_dim * partial_rotary_factor) dims of each head, the rest passed through.
+    partial_rotary_factor: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        return int(head_dim * self.partial_rotary_factor)
 
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """A LLaVA-NeXT image path: the CLIP vision tower, which of its layers feed the projector, and how
-    each image's tiles become its placeholder tokens (any-resolution grid, `image_newline`)."""
+    """A LLaVA-NeXT or LLaVA 1.5 image path: the CLIP vision tower, which of its layers feed the projector, and
+    how each image's tiles become its placeholder tokens (any-resolution grid, `image_newline`; or one tile)."""
 
     # CLIP vision transformer
     hidden_size: int
@@ -44,10 +54,11 @@ class VisionConfig:
     layer_norm_eps: float
     hidden_act: str
     num_channels: int
-    # LLaVA-NeXT
+    # LLaVA-NeXT / LLaVA 1.5
     vision_feature_layer: int | tuple[int, ...]  # hidden-state index (0: embeddings); several: concatenated
-    vision_feature_select_strategy: str  # "default": drop the CLS token
-    image_grid_pinpoints: tuple[tuple[int, int], ...]  # (height, width) resolutions an image may be tiled to
+    vision_feature_select_strategy: str  # "default": drop the CLS token; "full" (LLaVA 1.5 only): keep it
+    # (height, width) resolutions an image may be tiled to; empty: one tile per image (LLaVA 1.5)
+    image_grid_pinpoints: tuple[tuple[int, int], ...]
     image_token_id: int
     projector_hidden_act: str
     multimodal_projector_bias: bool = True
@@ -151,6 +162,25 @@ class MllamaSettings:
     vision: MllamaVisionSettings
 
 
+@dataclass(frozen=True)
+class MoeSettings:
+    """A sparse mixture-of-experts feed-forward in place of the MLP (Mixtral, Qwen2-MoE): a router picks each
+    token's `top_k` of `num_experts` gated MLPs (layers/moe.py)."""
+
+    num_experts: int  # Mixtral's num_local_experts, Qwen2-MoE's num_experts
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int  # of each expert (Qwen2-MoE's moe_intermediate_size; Mixtral's intermediate_size)
+    renormalize: bool  # the top-k probabilities rescaled to sum to 1 (Mixtral always; Qwen2-MoE's norm_topk_prob)
+    # The top-k weights rounded to the model's dtype before they scale the experts' outputs (Qwen2-MoE), or kept
+    # float32 (Mixtral), as transformers does.
+    weights_in_model_dtype: bool
+    # Which layers are sparse (Qwen2-MoE's decoder_sparse_step and mlp_only_layers); the others keep the dense
+    # MLP of ModelConfig.intermediate_size.
+    sparse_layers: tuple[bool, ...]
+    # A shared expert beside the routed ones, gated by sigmoid(shared_expert_gate(x)) (Qwen2-MoE); 0: none.
+    shared_expert_intermediate_size: int = 0
+
+
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -181,6 +211,12 @@ class ModelConfig:
     fused_projections: bool = False
     norm_offset: float = 0.0  # RMSNorms scale by offset + weight (Gemma: 1, its weights stored as the difference)
     embedding_scale: float | None = None  # token embeddings times this, in the model's dtype (Gemma: sqrt(hidden))
+    # Gemma 2: scores scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); scores and final logits
+    # soft-capped (s -> cap * tanh(s / cap)); a norm after attention and one each side of the MLP ("sandwich").
+    attention_scale: float | None = None
+    attention_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    sandwich_norms: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # generation_config.json's sampling values, (name, value) for those it sets of SAMPLING_DEFAULT_FIELDS: what the
@@ -192,6 +228,7 @@ class ModelConfig:
     t5: T5Settings | None = None
     bart: BartSettings | None = None
     mllama: MllamaSettings | None = None
+    moe: MoeSettings | None = None  # Mixtral, Qwen2-MoE: sparse expert layers
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,10 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, dtype: torch.dtype = torch
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "gemma": transformers.GemmaConfig,
+        "gemma2": transformers.Gemma2Config,
         "phi3": transformers.Phi3Config,
+        "mixtral": transformers.MixtralConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
     }[kind]
     model_cls = {
         "llama": transformers.LlamaForCausalLM,
@@ -51,7 +54,10 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, dtype: torch.dtype = torch
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
         "gemma": transformers.GemmaForCausalLM,
+        "gemma2": transformers.Gemma2ForCausalLM,
         "phi3": transformers.Phi3ForCausalLM,
+        "mixtral": transformers.MixtralForCausalLM,
+        "qwen2_moe": transformers.Qwen2MoeForCausalLM,
     }[kind]
     config = config_cls(**{**common, **overrides})
     config._attn_implementation = "eager"

@@ -148,11 +148,11 @@ def load_into(
     one of `ignore_patterns`. Missing tensors and shape mismatches raise too, naming the tensors.
     Non-persistent buffers are left as the module built them.
     A module with a `checkpoint_name(name) -> name` method (a family whose checkpoints come in several
-    layouts, e.g. LLaVA-NeXT saved by transformers 4) has checkpoint names mapped through it first.
+    layouts, e.g. LLaVA-NeXT saved by transformers 4) has checkpoint names mapped through it first; one with a
+    `joined_checkpoint_tensors(state) -> state` method (a family holding as one tensor what checkpoints may hold as
+    several: Mixtral's experts, stacked) then joins them (`renamed_state`).
     """
-    rename = getattr(module, "checkpoint_name", None)
-    if callable(rename):
-        state = _renamed(state, rename)
+    state = renamed_state(module, state)
     # Group the module's names by tensor object: tied weights share one group.
     groups: dict[int, list[str]] = {}
     targets: dict[int, torch.Tensor] = {}
@@ -215,9 +215,17 @@ def load_into(
 
 
 def renamed_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state` under `module`'s own names (its `checkpoint_name` mapping, if it has one; see `load_into`)."""
+    """`state` under `module`'s own names (its `checkpoint_name` mapping and `joined_checkpoint_tensors`, if it
+    has them; see `load_into`). Idempotent: a renamed state stays as it is."""
     rename = getattr(module, "checkpoint_name", None)
-    return _renamed(state, rename) if callable(rename) else dict(state)
+    state = _renamed(state, rename) if callable(rename) else dict(state)
+    join = getattr(module, "joined_checkpoint_tensors", None)
+    if callable(join):
+        try:
+            state = join(state)
+        except ValueError as exc:
+            raise WeightsError(f"cannot load weights into {type(module).__name__}: {exc}") from exc
+    return state
 
 
 def _renamed(state: dict[str, torch.Tensor], rename: Callable[[str], str]) -> dict[str, torch.Tensor]:

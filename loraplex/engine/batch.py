@@ -88,6 +88,7 @@ class BatchBuilder:
         slots: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
+        rope_lens: list[int] = []
         decode_seqs: list[int] = []
         prefill_seqs: list[int] = []
         for s, item in enumerate(scheduled):
@@ -101,6 +102,7 @@ class BatchBuilder:
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
             seq_lens.append(end)
+            rope_lens.append(max(end, request.num_tokens))
             (decode_seqs if item.num_new_tokens == 1 else prefill_seqs).append(s)
 
         max_blocks = max(len(item.request.block_ids) for item in scheduled)
@@ -119,6 +121,7 @@ class BatchBuilder:
                 for g in self._decode_groups(decode_seqs, seq_lens)
             ],
             prefill_seqs=prefill_seqs,
+            rope_lens=rope_lens,
         )
         batch = StepBatch(long(input_ids), long(positions), metadata)
         if self.with_states:

@@ -8,6 +8,7 @@ processing (output.py), memory sizing (memory.py), fault containment (containmen
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import random
@@ -50,6 +51,7 @@ def _enable_grammar_masks(runner: ModelRunner, vocab_size: int) -> None:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        config = _fit_to_rope(config, loaded.config)
         self.config = config
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -73,6 +75,7 @@ class Engine:
                 adapter_cycle_time_s=config.adapter_cycle_time_s,
                 num_state_blocks=num_state_blocks,
                 prefix_caching=config.prefix_caching,
+                recompute_after=_longrope_recompute_length(loaded.config),
             )
         )
         self.lora = AdapterTable(loaded.model, config.max_active_adapters, loaded.device, loaded.dtype, config.max_lora_rank)
@@ -416,3 +419,18 @@ def _apply_checkpoint_kv_scales(engine: "Engine", loaded: LoadedModel) -> None:
         log.info("FP8 KV cache: the checkpoint's scales for %d layers", len(loaded.kv_scales))
     else:
         log.warning("the checkpoint's KV-cache scales apply with --kv-cache-dtype fp8 only: not used")
+
+
+def _fit_to_rope(config: EngineConfig, model: ModelConfig) -> EngineConfig:
+    """Prefix caching off where a key's rotation depends on its sequence's length (dynamic NTK, LongRoPE): a block
+    cached by a shorter sequence would hold keys rotated as no longer sequence rotates them."""
+    if config.prefix_caching and model.rope.kind in ("dynamic", "longrope"):
+        log.info("prefix caching off: %s RoPE rotates a sequence's keys by its length", model.rope.kind)
+        return dataclasses.replace(config, prefix_caching=False)
+    return config
+
+
+def _longrope_recompute_length(model: ModelConfig) -> int | None:
+    """LongRoPE (Phi-3): a sequence outgrowing its original context is recomputed with the long factors, as
+    transformers re-encodes it then; the scheduler requeues it at that step."""
+    return model.rope.original_max_position_embeddings if model.rope.kind == "longrope" else None

@@ -54,6 +54,9 @@ class SchedulerConfig:
     adapter_cycle_time_s: float = 2.0
     num_state_blocks: int = 0  # > 0: cross-attention states get a block pool of their own
     prefix_caching: bool = False
+    # LongRoPE: a running request whose decode step would take it from this many computed tokens past them is
+    # recomputed from its tokens instead (preempted), so that every key is rotated with the long factors.
+    recompute_after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,9 @@ class Scheduler:
                 if n == 0:
                     index += 1
                     continue
+            if self._outgrows_context(request, n):
+                out.preempted.append(self._preempt(request))
+                continue
             needed = self._blocks_needed(request, n)
             assert request.cross_block_ids or not request.num_states, "a running request holds its states"
             if needed:  # most decode steps fit in the request's last block
@@ -184,6 +190,12 @@ class Scheduler:
         if self.state_allocator is not self.allocator:
             out.fresh_state_blocks = self.state_allocator.take_fresh()
         return out
+
+    def _outgrows_context(self, request: Request, n: int) -> bool:
+        """Whether this decode step takes the request past `recompute_after` (a prefill, its recompute included,
+        never is: its rows see the whole sequence's length)."""
+        limit = self.config.recompute_after
+        return limit is not None and request.num_uncomputed_tokens == n == 1 and request.num_computed_tokens == limit
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         """Start waiting requests, first come first served, while budget, seats and KV blocks allow."""

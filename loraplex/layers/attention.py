@@ -63,16 +63,18 @@ class PagedAttention(nn.Module):
 
     Optional score modifiers: `sliding_window` (keys more than that many positions back are hidden),
     `alibi_slopes` [H] (ALiBi: `slope[h] * (key_pos - query_pos)` added to head h's scores, from absolute
-    positions) and `position_bias` (a callable mapping `key_pos - query_pos` [...] to a float32 bias
-    [..., H]: T5's relative position buckets). Without them a backend takes its plain causal path.
+    positions), `position_bias` (a callable mapping `key_pos - query_pos` [...] to a float32 bias
+    [..., H]: T5's relative position buckets) and `softcap` (scaled scores s become softcap * tanh(s / softcap)
+    before any bias or mask: Gemma 2). Without them a backend takes its plain causal path.
     """
 
     def __init__(
         self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
         sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None,
-        position_bias: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        position_bias: Callable[[torch.Tensor], torch.Tensor] | None = None, softcap: float | None = None,
     ) -> None:
         super().__init__()
+        self.softcap = softcap
         self.layer_index = layer_index
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -281,13 +283,8 @@ class TorchAttentionBackend:
             bias = _step_bias(layer, md, ("decode", g), lambda: key_pos[None, :] - (seq_lens[:, None] - 1))
             bias = bias.permute(0, 2, 1).reshape(batch, layer.num_kv_heads, -1, max_len)
             mask = _biased_mask(bias, mask, q.dtype)
-        out = F.scaled_dot_product_attention(
-            q.reshape(batch, layer.num_kv_heads, -1, layer.head_dim),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask,
-            scale=layer.scale,
-        )
+        out = _attend(layer, q.reshape(batch, layer.num_kv_heads, -1, layer.head_dim), keys.transpose(1, 2),
+                      values.transpose(1, 2), mask)
         return out.reshape(batch, layer.num_heads, layer.head_dim)
 
     def _prefill(self, layer, q, keys, values, seq_len, md, s):
@@ -296,7 +293,7 @@ class TorchAttentionBackend:
         # 4-D [1, H, T, D]: with a batch dimension, SDPA takes its fused CPU kernel (3-D falls back to math).
         qh, kh, vh = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
         gqa = layer.num_heads != layer.num_kv_heads
-        if context == 0 and layer.sliding_window is None and not layer.has_score_bias:
+        if context == 0 and layer.sliding_window is None and not layer.has_score_bias and layer.softcap is None:
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=layer.scale, enable_gqa=gqa)
         else:
             visible = visible_keys(num_new, seq_len, layer.sliding_window, q.device)
@@ -306,7 +303,9 @@ class TorchAttentionBackend:
                 distance = lambda: torch.arange(seq_len, device=q.device)[None, :] - q_pos  # noqa: E731
                 bias = _step_bias(layer, md, ("prefill", s), distance).permute(2, 0, 1)[None]
                 mask = _biased_mask(bias, visible[None, None], q.dtype)
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
+            if gqa and layer.softcap is not None:  # (SDPA repeats the KV heads itself)
+                kh, vh = (t.repeat_interleave(layer.num_heads // layer.num_kv_heads, dim=1) for t in (kh, vh))
+            out = _attend(layer, qh, kh, vh, mask, gqa)
         return out[0].transpose(0, 1)
 
 
@@ -319,6 +318,22 @@ def _step_bias(layer, md: AttentionMetadata, key: tuple, distance) -> torch.Tens
     if shared not in md.step_cache:
         md.step_cache[shared] = layer.score_bias(distance())
     return md.step_cache[shared]
+
+
+def _attend(layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            gqa: bool = False) -> torch.Tensor:
+    """SDPA over [..., L, D] with a boolean or float mask, or, for a soft-capped layer (which SDPA cannot do), the
+    same product written out as transformers' eager Gemma 2 computes it: scores in the inputs' dtype, capped, masked,
+    softmax in float32. (k and v then carry every query head.)"""
+    if layer.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * layer.scale
+    scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _biased_mask(bias: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -353,7 +368,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
         does."""
         from loraplex.layers.kernels.varlen_prefill import causal_varlen, resumed_varlen_usable, varlen_usable
 
-        if not seqs or layer.has_score_bias or not varlen_usable(q, layer.num_kv_heads):
+        if not seqs or layer.has_score_bias or layer.softcap is not None or not varlen_usable(q, layer.num_kv_heads):
             return super()._prefill_seqs(layer, q, k, v, key_cache, value_cache, md, seqs, out, scales)
         window = layer.sliding_window
         fresh = fresh_prompts(md, q.device)
@@ -382,7 +397,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
         slopes = layer.alibi_on(q.device) if layer.alibi_slopes is not None else None
         tables = md.block_tables if group.in_order else md.block_tables[group.seqs]
         return paged_decode(q, key_cache, value_cache, tables, group.seq_lens,
-                            layer.scale, layer.sliding_window, slopes, group.max_len, scales)
+                            layer.scale, layer.sliding_window, slopes, group.max_len, scales, layer.softcap)
 
 
 def _slots_of(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -73,10 +73,23 @@ class AttentionMetadata:
     encoder: EncoderMetadata | None = None  # encoder-decoder models only
     # What a backend computes once per step for all layers (a stack's shared position bias), by its key.
     step_cache: dict = field(default_factory=dict)
+    # Per sequence, the length its rotary scaling sees (dynamic NTK, LongRoPE): all its known tokens, so that every
+    # chunk of a chunked prefill rotates as the whole prompt does in one forward. None: seq_lens.
+    rope_lens: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    def row_seq_lens(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T] int64 on positions' device: each token row's sequence length for its rotary scaling (`rope_lens`, else
+        its length after this step). A graphed decode step, whose lengths live on the device only, has one row per
+        sequence: each row's position + 1, no tensor made on the host."""
+        starts = self.query_start_loc
+        if not self.rope_lens and len(starts) - 1 == positions.shape[0]:
+            return positions + 1
+        rows = torch.tensor([end - start for start, end in zip(starts, starts[1:])])
+        return torch.tensor(self.rope_lens or self.seq_lens).repeat_interleave(rows).to(positions.device)
 
 
 @dataclass

@@ -6,6 +6,11 @@ module `M` (named as in the base model, e.g. `model.layers.3.self_attn.q_proj`) 
 module's delta is `scale * B @ A @ x`, with `scale = alpha / r` (or `alpha / sqrt(r)` with rsLoRA) and
 r / alpha taken from `rank_pattern` / `alpha_pattern` when a pattern matches the module's name.
 
+`target_parameters` (PEFT's LoRA on a parameter, `ParamWrapper`) is served where it is a linear's weight (e.g. a
+mixture of experts' router `gate.weight`: the same delta as a LoRA on the linear, its rank and scale those of the
+parameter's name) and on the stacked experts' `gate_up_proj` / `down_proj`, cut into each expert's projections
+(lora/expert_slices.py).
+
 What we do not serve is refused with a message naming the field or tensor, never silently ignored.
 """
 
@@ -25,6 +30,8 @@ import torch
 
 from loraplex.checkpoints.json_files import JsonFileError, read_json_object
 from loraplex.lora.errors import AdapterError, AdapterInvalid, AdapterNotFound
+import loraplex.lora.config_fields as fields
+from loraplex.lora.expert_slices import STACKED_PARAMETERS, is_stacked_experts, stacked_parameter_loras
 from loraplex.lora.layout import Layout
 from loraplex.lora.packed import PackedModules
 from loraplex.lora.weights import LoraWeights
@@ -46,7 +53,6 @@ _UNSERVED_OPTIONS: dict[str, tuple[Any, str]] = {
     "use_dora": (False, "DoRA (use_dora) is not served"),
     "modules_to_save": (None, "modules_to_save (fully fine-tuned modules) is not served"),
     "lora_bias": (False, "lora_bias is not served"),
-    "target_parameters": (None, "target_parameters is not served"),
     "trainable_token_indices": (None, "trainable_token_indices is not served"),
     "layer_replication": (None, "layer_replication is not served"),
     "alora_invocation_tokens": (None, "aLoRA (alora_invocation_tokens) is not served"),
@@ -67,6 +73,7 @@ class LoraConfig:
     layers_to_transform: tuple[int, ...] | None = None
     layers_pattern: tuple[str, ...] = ()
     exclude_modules: tuple[str, ...] | str = ()
+    target_parameters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Tenant-written regexes, compiled once; all of one config's backtracking matches share a budget.
@@ -97,28 +104,29 @@ class LoraConfig:
                 raise AdapterInvalid(f"{message} ({name}={value!r})")
         if raw.get("bias", "none") != "none":
             raise AdapterInvalid(f"bias={raw.get('bias')!r} is not served; only bias='none' is")
-        r = _positive_int(raw.get("r", 8), "r")
-        rank_pattern = {k: _positive_int(v, f"rank_pattern[{k!r}]") for k, v in _mapping(raw, "rank_pattern").items()}
-        alpha_pattern = {k: _alpha(v, f"alpha_pattern[{k!r}]") for k, v in _mapping(raw, "alpha_pattern").items()}
+        r = fields.positive_int(raw.get("r", 8), "r")
+        rank_pattern = {k: fields.positive_int(v, f"rank_pattern[{k!r}]") for k, v in fields.mapping(raw, "rank_pattern").items()}
+        alpha_pattern = {k: fields.alpha(v, f"alpha_pattern[{k!r}]") for k, v in fields.mapping(raw, "alpha_pattern").items()}
         for name, rank in [("r", r), *((f"rank_pattern[{k!r}]", v) for k, v in rank_pattern.items())]:
             if rank > max_rank:
                 raise AdapterInvalid(f"{name} = {rank} is above the maximum LoRA rank {max_rank} (--max-lora-rank)")
         layers = raw.get("layers_to_transform")
         if layers is not None:
-            layers = _int_list(layers, "layers_to_transform")
+            layers = fields.int_list(layers, "layers_to_transform")
         use_rslora = raw.get("use_rslora", False)
         if not isinstance(use_rslora, bool):
             raise AdapterInvalid(f"use_rslora must be true or false; got {use_rslora!r}")
         config = cls(
             r=r,
-            lora_alpha=_alpha(raw.get("lora_alpha", 8), "lora_alpha"),
+            lora_alpha=fields.alpha(raw.get("lora_alpha", 8), "lora_alpha"),
             use_rslora=use_rslora,
-            target_modules=_names_or_regex(raw, "target_modules"),
+            target_modules=fields.names_or_regex(raw, "target_modules"),
             rank_pattern=rank_pattern,
             alpha_pattern=alpha_pattern,
             layers_to_transform=layers,
-            layers_pattern=_names(raw, "layers_pattern"),
-            exclude_modules=_names_or_regex(raw, "exclude_modules"),
+            layers_pattern=fields.names(raw, "layers_pattern"),
+            exclude_modules=fields.names_or_regex(raw, "exclude_modules"),
+            target_parameters=fields.parameter_names(raw),
         )
         smallest_rank = min([r, *rank_pattern.values()])
         for alpha, name in [(config.lora_alpha, "lora_alpha"), *((v, f"alpha_pattern[{k!r}]") for k, v in alpha_pattern.items())]:
@@ -141,6 +149,10 @@ class LoraConfig:
             return True
         index = self._layer_index(module)
         return index is not None and index in self.layers_to_transform
+
+    def targets_parameter(self, parameter: str) -> bool:
+        """Whether PEFT would put a LoRA on `parameter` (module name + parameter name) by `target_parameters`."""
+        return any(parameter == t or parameter.endswith(f".{t}") for t in self.target_parameters)
 
     def rank(self, module: str) -> int:
         return self.rank_pattern.get(self._pattern_key("rank", module), self.r)
@@ -190,56 +202,9 @@ MAX_HEADER_BYTES = 16 << 20  # a safetensors header takes ~200 bytes per tensor;
 _DEFAULT_LAYER_INDEX = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")
 
 
-def _positive_int(value: Any, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise AdapterInvalid(f"{name} must be a positive integer; got {value!r}")
-    return value
-
-
-def _alpha(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise AdapterInvalid(f"{name} must be a number; got {value!r}")
-    try:
-        value = float(value)
-    except OverflowError:  # an integer too large for a float
-        raise AdapterInvalid(f"{name} = {value} is out of bounds") from None
-    if not math.isfinite(value):
-        raise AdapterInvalid(f"{name} must be finite; got {value!r}")
-    return value
-
-
 def _check_scale(scale: float, name: str) -> None:
     if not abs(scale) <= MAX_LORA_SCALE:
         raise AdapterInvalid(f"{name}: the LoRA scale alpha / r = {scale:g} is beyond the bound {MAX_LORA_SCALE:g}")
-
-
-def _mapping(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
-    value = raw.get(name) or {}
-    if not isinstance(value, dict):
-        raise AdapterInvalid(f"{name} must be an object (pattern -> value); got {value!r}")
-    return value
-
-
-def _names(raw: Mapping[str, Any], name: str) -> tuple[str, ...]:
-    value = raw.get(name) or ()
-    if isinstance(value, str):
-        return (value,)
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise AdapterInvalid(f"{name} must be a string or a list of strings; got {value!r}")
-    return tuple(value)
-
-
-def _names_or_regex(raw: Mapping[str, Any], name: str) -> tuple[str, ...] | str:
-    """A string is a regex (PEFT's rule); a list names modules."""
-    value = raw.get(name) or ()
-    return value if isinstance(value, str) else _names(raw, name)
-
-
-def _int_list(value: Any, name: str) -> tuple[int, ...]:
-    values = [value] if isinstance(value, int) else value
-    if not isinstance(values, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise AdapterInvalid(f"{name} must be an integer or a list of integers; got {value!r}")
-    return tuple(values)
 
 
 def check_weights(name: str, weights: "LoraWeights") -> None:
@@ -351,8 +316,13 @@ TensorSpec = tuple[tuple[int, ...], str, bool]
 class _Layout:
     """Which checkpoint tensors make each module's LoRA, and the base-layer copies PEFT saved beside them."""
 
-    modules: dict[str, tuple[str, str, str]]  # model module name -> (name PEFT saw, lora_A key, lora_B key)
+    # model module name -> (the name its rank and scale are the config's for, lora_A key, lora_B key): the name PEFT
+    # saw, or for a LoRA on a parameter (target_parameters) the parameter's
+    modules: dict[str, tuple[str, str, str]]
     base_copies: dict[str, str]  # checkpoint key -> model module name
+    # modules whose A and B are parts of the tensors (an expert's projection cut from a LoRA on the stacked
+    # experts): module -> (A's index, B's index) into them
+    pieces: dict[str, tuple[tuple[slice, ...], tuple[slice, ...]]] = field(default_factory=dict)
 
 
 def check_layout(
@@ -384,19 +354,31 @@ def check_layout(
         raise AdapterInvalid("the adapter has no LoRA tensors")
 
     modules: dict[str, tuple[str, str, str]] = {}
+    pieces: dict[str, tuple[tuple[slice, ...], tuple[slice, ...]]] = {}
+    stacked: dict[str, dict[int, tuple[str, str]]] = {}  # experts module PEFT saw -> wrapper depth -> (A, B)
     for saved, ab in sorted(parts.items()):
         module = _model_name(saved, checkpoint_name)
         if set(ab) != {"A", "B"}:
             missing = ({"A", "B"} - set(ab)).pop()
             raise AdapterInvalid(f"module {module}: lora_{missing}.weight is missing")
+        wrapped, depth = saved, 0
+        while wrapped.endswith(".base_layer"):  # PEFT's nested wrappers of several parameters of one module
+            wrapped, depth = wrapped.removesuffix(".base_layer"), depth + 1
+        if config.target_parameters and (depth or is_stacked_experts(_model_name(wrapped, checkpoint_name), base)):
+            stacked.setdefault(wrapped, {})[depth] = (ab["A"], ab["B"])
+            continue
         if module not in base:
             raise AdapterInvalid(
                 f"tensor {_PREFIX}{module}.lora_A.weight: the base model has no LoRA-capable linear {module!r}"
             )
-        if not config.targets(saved):
+        if config.targets(saved):
+            named = saved
+        elif config.targets_parameter(f"{saved}.weight"):  # a LoRA on the linear's weight: the same delta
+            named = f"{saved}.weight"
+        else:
             raise AdapterInvalid(f"tensor {_PREFIX}{saved}.lora_A.weight: module not in the config's target_modules")
         in_features, out_features = base[module]
-        rank = config.rank(saved)
+        rank = config.rank(named)
         for part, want in (("A", (rank, in_features)), ("B", (out_features, rank))):
             shape, dtype, floating = specs[ab[part]]
             if tuple(shape) != want:
@@ -406,8 +388,23 @@ def check_layout(
                 )
             if not floating:
                 raise AdapterInvalid(f"tensor {_PREFIX}{module}.lora_{part}.weight has dtype {dtype}; expected floats")
-        modules[module] = (saved, ab["A"], ab["B"])
-    return _Layout(modules, copies)
+        modules[module] = (named, ab["A"], ab["B"])
+    for saved, depths in stacked.items():
+        module = _model_name(saved, checkpoint_name)
+        if sorted(depths) != list(range(len(depths))):
+            raise AdapterInvalid(f"module {saved}: its nested LoRA tensors skip a level ({sorted(depths)})")
+        targeted = [p for p in STACKED_PARAMETERS if config.targets_parameter(f"{saved}.{p}")]
+        wrappers = [depths[d] for d in range(len(depths))]
+        for key in (k for pair in wrappers for k in pair):
+            if not specs[key][2]:
+                raise AdapterInvalid(f"tensor {key} has dtype {specs[key][1]}; expected floats")
+        cut = stacked_parameter_loras(saved, module, wrappers, targeted, base, config.rank, lambda k: specs[k][0])
+        for name, piece in cut.items():
+            if name in modules:
+                raise AdapterInvalid(f"module {name}: a LoRA both of its own and on the stacked experts {saved}")
+            modules[name] = (piece.parameter, piece.a_key, piece.b_key)
+            pieces[name] = (piece.a_index, piece.b_index)
+    return _Layout(modules, copies, pieces)
 
 
 def adapter_from_tensors(
@@ -425,7 +422,9 @@ def adapter_from_tensors(
         _check_base_copy(key, module, tensors[key], base_weight)
     modules: dict[str, LoraWeights] = {}
     for module, (saved, a, b) in layout.modules.items():
-        weights = LoraWeights(tensors[a].float().contiguous(), tensors[b].float().contiguous(), config.scale(saved))
+        a_index, b_index = layout.pieces.get(module, ((), ()))
+        weights = LoraWeights(tensors[a][a_index].float().contiguous(), tensors[b][b_index].float().contiguous(),
+                              config.scale(saved))
         check_weights(_PREFIX + module, weights)
         modules[module] = weights
     return LoraAdapter(adapter_id, modules, config).packed()

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from loraplex.layers.forward_context import current_lora
+from loraplex.layers.moe import MoeExperts
 from loraplex.layers.projections import LinearWrapper
+from loraplex.lora.experts import ExpertProjection, LoraExperts
 from loraplex.quantization import dequantized_weight
 
 # Which rows a LoRA-wrapped linear sees (DESIGN.md 7), by its module path: the output head sees the rows
@@ -81,13 +83,21 @@ class LoraLinear(LinearWrapper):
         return plan.add_to_product(siblings, x, sizes, product)
 
 
-def wrap_linears(model: nn.Module) -> dict[str, LoraLinear]:
-    """Wrap each nn.Linear of `model` (bitsandbytes' quantized linears included) in a LoraLinear (once);
-    module name -> layer."""
-    layers: dict[str, LoraLinear] = {}
+def wrap_linears(model: nn.Module) -> dict[str, LoraLinear | ExpertProjection]:
+    """Wrap each nn.Linear of `model` (bitsandbytes' quantized linears included) in a LoraLinear, and each stacked
+    experts module in a LoraExperts (once); module name -> layer, each expert's linears by name among them
+    (lora/experts.py)."""
+    layers: dict[str, LoraLinear | ExpertProjection] = {}
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraLinear):
             layers[name] = module
+        elif isinstance(module, LoraExperts):
+            layers.update(module.projections())
+        elif isinstance(module, MoeExperts) and not name.endswith(".base"):
+            parent_name, _, child = name.rpartition(".")
+            experts = LoraExperts(module, name)
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, experts)
+            layers.update(experts.projections())
         elif isinstance(module, nn.Linear) and not name.endswith(".base"):
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model

@@ -108,6 +108,9 @@ def _check_arguments(
     for adapter, weight in zip(adapters, weights):
         if not math.isfinite(weight):
             raise AdapterInvalid(f"the weight of adapter {adapter.adapter_id!r} is {weight!r}; expected a finite number")
+        if adapter.config.target_parameters:  # its modules' names are not what its config's patterns match
+            raise AdapterInvalid(f"adapter {adapter.adapter_id!r} uses target_parameters: merging such adapters is not "
+                                 f"served")
     # `not (0 < d <= 1)` also refuses NaN.
     if strategy in _PRUNED and not 0 < density <= 1:
         raise AdapterInvalid(f"density must be in (0, 1] for strategy {strategy!r}; got {density!r}")

@@ -55,6 +55,7 @@ class PerRowForm:
     layers: frozenset[str]
     max_rank: int
     tiles: LoraTiles | None = None
+    segments: list[LoraSegment] = field(default_factory=list)  # with `tiles`: the rows' segments (`row_slots`)
 
 
 @dataclass
@@ -87,6 +88,7 @@ class LoraPlan:
     # The dtype the adapter weights hold (the model's compute dtype); an input in another dtype (a layer
     # kept in float32) has its delta computed in this one. None: the input's dtype.
     dtype: torch.dtype | None = None
+    _row_slots: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
 
     def segments(self, kind: str) -> list[LoraSegment]:
         if kind == "states":
@@ -100,6 +102,24 @@ class LoraPlan:
         pair per adapter; images are few."""
         assert kind in _LATE_KINDS, kind
         setattr(self, kind, lora_segments(slots, row_counts))
+        self._row_slots = {key: value for key, value in self._row_slots.items() if key[0] != kind}
+
+    def row_slots(self, kind: str, rows: int, device: torch.device) -> torch.Tensor:
+        """Each of the `rows` rows of `kind`: its adapter's slot, -1 for none, [rows] int64 on `device`, whatever
+        form the linears take (the experts group their (row, expert) pairs by it: lora/experts.py)."""
+        cached = self._row_slots.get((kind, rows))
+        if cached is not None:
+            return cached
+        per_row = self.per_row.get(kind)
+        if per_row is not None and per_row.slots is not None:
+            slots = per_row.slots.to(device, torch.int64)
+        else:
+            slots = torch.full((rows,), -1, dtype=torch.int64)
+            for segment in [*self.segments(kind), *(per_row.segments if per_row is not None else ())]:
+                slots[segment.start:segment.end] = segment.slot
+            slots = slots.to(device)
+        self._row_slots[(kind, rows)] = slots
+        return slots
 
     # ---- the deltas ------------------------------------------------------------------------------------------
 
@@ -244,7 +264,7 @@ class LoraPlanner:
             plan.encoder = lora_segments(list(encoder_slots), list(encoder_counts))
         if self.per_row and len(segments) > 1:
             plan.per_row["tokens"] = PerRowForm(None, table.pointers, table.pointers.targeted, table.max_rank,
-                                                tiles=lora_tiles(segments, self.device))
+                                                tiles=lora_tiles(segments, self.device), segments=segments)
             plan.tokens = []
             return plan
         # Each adapter's group is padded to the longest: cap the longest, which bounds the padding.

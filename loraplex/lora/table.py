@@ -16,6 +16,7 @@ from torch import nn
 
 from loraplex.lora.adapter import BaseShapes, LoraAdapter, LoraWeights
 from loraplex.lora.kernels import PointerTable
+from loraplex.lora.experts import ExpertProjection
 from loraplex.lora.layers import wrap_linears
 from loraplex.lora.row_maps import LoraGroups, LoraSegment
 from loraplex.lora.staging import StagedUploads
@@ -104,8 +105,8 @@ class AdapterTable:
         rank = max((t[s].rank for t in self.columns.values() for s in slots if t[s] is not None), default=0)
         layers = {}
         for name, column in self.columns.items():
-            if all(column[slot] is None for slot in slots):
-                continue  # no delta here: skipping it beats multiplying through zeros every step
+            if all(column[slot] is None for slot in slots) or isinstance(self.layers[name], ExpertProjection):
+                continue  # no delta here: skipping it beats multiplying through zeros every step (experts group their own)
             layer = self.layers[name]
             a_stack = torch.zeros(len(slots), rank, layer.in_features, device=self.device, dtype=self.dtype)
             b_stack = torch.zeros(len(slots), layer.out_features, rank, device=self.device, dtype=self.dtype)

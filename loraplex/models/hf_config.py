@@ -60,13 +60,21 @@ HF_FIELDS: dict[str, tuple[str, float, float]] = {
                      "forced_eos_token_id", "image_token_id", "image_token_index"), ("ints", *_TOKEN)),
     "sliding_window": ("int", *_TOKEN), "max_window_layers": ("int", 0, 1 << 12),  # 0 in some configs that turn it off (use_sliding_window false)
     **dict.fromkeys(("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps"), ("num", 0, 1)),
+    # Mixture-of-experts (Mixtral, Qwen2-MoE); output_router_logits (a training output) is not read. The router's
+    # jitter noise is a training-time perturbation (transformers applies it only in training): checked, not applied.
+    **dict.fromkeys(("num_local_experts", "num_experts"), ("int", 0, 1 << 12)),  # 0 experts: every layer dense
+    **dict.fromkeys(("num_experts_per_tok", "decoder_sparse_step"), ("int", *_COUNT)),
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), ("int", *_DIM)),
+    "mlp_only_layers": ("ints", 0, 1 << 12), "router_jitter_noise": ("num", 0, 1),
     "rope_theta": ("num", 1, 10**12), "alibi_bias_max": ("num", 0, 1000), "expansion_ratio": ("num", *_FACTOR),
+    **dict.fromkeys(("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"), ("num", *_FACTOR)),
     **dict.fromkeys(("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow",
                      "mscale", "mscale_all_dim"), ("num", *_FACTOR)),
-    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "no_bias",
+    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "qkv_bias", "mlp_bias", "use_sliding_window", "no_bias",
+                     "norm_topk_prob", "output_router_logits",
                      "scale_embedding", "qk_ln", "alibi", "multimodal_projector_bias", "scale_decoder_outputs", "truncate"),
                     ("bool", 0, 0)),
-    **dict.fromkeys(("model_type", "hidden_act", "activation_function", "feed_forward_proj", "norm_type",
+    **dict.fromkeys(("model_type", "hidden_act", "hidden_activation", "activation_function", "feed_forward_proj", "norm_type",
                      "projector_hidden_act", "rope_type", "type"), ("str", 0, 0)),
     **dict.fromkeys(("text_config", "vision_config", "attn_config", "ffn_config", "rope_scaling", "rope_parameters"),
                     ("object", 0, 0)),
@@ -77,6 +85,8 @@ HF_NULLABLE = frozenset({
     "bos_token_id", "eos_token_id", "decoder_start_token_id", "forced_bos_token_id",
     "forced_eos_token_id", "image_token_id", "image_token_index", "text_config", "vision_config", "attn_config",
     "ffn_config", "rope_scaling", "rope_parameters", "factor", "attention_factor", "mscale", "mscale_all_dim",
+    "mlp_only_layers",
+    "hidden_activation", "attn_logit_softcapping", "final_logit_softcapping",
 })
 _NESTED = ("text_config", "vision_config", "attn_config", "ffn_config", "rope_scaling", "rope_parameters")
 _KINDS = {"int": "an integer", "ints": "an integer or a list of integers", "num": "a number", "bool": "true or false",
@@ -113,6 +123,9 @@ def _field_ok(kind: str, value: Any, lo: float, hi: float) -> bool:
     return isinstance(value, {"bool": bool, "str": str, "object": dict}[kind])
 
 
+ROPE_KINDS = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+
+
 def rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters` (theta inside); older versions `rope_theta` + `rope_scaling`.
     params = dict(hf.get("rope_parameters") or {})
@@ -120,19 +133,31 @@ def rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
     kind = merged.get("rope_type", merged.get("type", "default"))
-    if kind not in ("default", "linear", "llama3", "yarn"):
-        raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, yarn")
+    phi3 = hf.get("model_type") == "phi3"
+    if phi3 and kind in ("su", "yarn"):  # Phi3Config reads its older names as longrope
+        kind = "longrope"
+    if kind not in ROPE_KINDS:
+        raise ValueError(f"unsupported rope scaling {kind!r}; supported: {', '.join(ROPE_KINDS)}")
     low, high = merged.get("low_freq_factor", 1.0), merged.get("high_freq_factor", 4.0)
     require("rope_scaling.high_freq_factor", high, kind != "llama3" or high > low, f"must exceed low_freq_factor {low}")
     # As transformers: the pretraining context is the model's own unless the scaling names it (a top-level field
-    # first, as Phi-3 writes it), and YaRN's factor defaults to the ratio of the two.
+    # first, as Phi-3 writes it, which Phi3Config defaults to 4096), and YaRN's and LongRoPE's factor defaults to the
+    # ratio of the two. Dynamic NTK scaling starts past the model's own context whatever the config names.
     max_positions = hf.get("max_position_embeddings", 8192)
-    original = hf.get("original_max_position_embeddings") or merged.get("original_max_position_embeddings") or max_positions
+    original = (hf.get("original_max_position_embeddings") or (4096 if phi3 else None)
+                or merged.get("original_max_position_embeddings") or max_positions)
+    if kind == "dynamic":
+        original = max_positions
     factor = merged.get("factor")
+    # Dynamic NTK extends the context by its factor (rope_context): below 1 it would shrink it under the model's own.
+    require("rope_scaling.factor", factor, kind != "dynamic" or (factor is not None and factor >= 1),
+            "dynamic scaling needs a factor of at least 1")
     if factor is None:
-        factor = max_positions / original if kind == "yarn" else 1.0
+        factor = max_positions / original if kind in ("yarn", "longrope") else 1.0
     beta_fast, beta_slow = merged.get("beta_fast") or 32.0, merged.get("beta_slow") or 1.0
     require("rope_scaling.beta_fast", beta_fast, beta_fast > beta_slow, f"must exceed beta_slow {beta_slow}")
+    partial = _partial_rotary_factor(hf, merged)
+    frequencies = -(-int(_head_dim(hf) * partial) // 2) if kind == "longrope" else 0  # one per pair of rotary dims
     return RopeConfig(
         theta=float(theta),
         kind=kind,
@@ -143,8 +168,58 @@ def rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
         beta_fast=float(beta_fast),
         beta_slow=float(beta_slow),
         truncate=bool(merged.get("truncate", True)),
-        attention_factor=_yarn_attention_factor(merged, float(factor)) if kind == "yarn" else 1.0,
+        attention_factor=_attention_factor(kind, merged, float(factor), int(original)),
+        short_factor=_frequency_factors(merged, "short_factor", frequencies) if kind == "longrope" else (),
+        long_factor=_frequency_factors(merged, "long_factor", frequencies) if kind == "longrope" else (),
+        partial_rotary_factor=partial,
     )
+
+
+def rope_context(hf: dict[str, Any], max_positions: int) -> int:
+    """The longest sequence a model serves: its max_position_embeddings, `factor` times that under dynamic NTK
+    scaling, which exists to run past it (vLLM derives its context so)."""
+    rope = rope_from_hf(hf)
+    return int(max_positions * rope.factor) if rope.kind == "dynamic" else max_positions
+
+
+def _head_dim(hf: dict[str, Any]) -> int:
+    return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+
+
+def _partial_rotary_factor(hf: dict[str, Any], scaling: dict[str, Any]) -> float:
+    """The share of each head that rotates: the rope parameters' value first, then the top level's (transformers'
+    order)."""
+    partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial is None:
+        return 1.0
+    ok = isinstance(partial, (int, float)) and not isinstance(partial, bool) and 0 < partial <= 1
+    require("partial_rotary_factor", partial, ok and int(_head_dim(hf) * partial) >= 2,
+            "must be in (0, 1] and leave at least two rotary dims per head")
+    return float(partial)
+
+
+def _frequency_factors(scaling: dict[str, Any], name: str, length: int) -> tuple[float, ...]:
+    """LongRoPE's short_factor or long_factor: one positive number per rotary frequency."""
+    value = scaling.get(name)
+    numbers = isinstance(value, list) and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf for x in value)
+    if not (numbers and len(value) == length):
+        raise ValueError(f"unsupported rope_scaling.{name} {reprlib.repr(value)}: longrope needs a list of {length} "
+                         "positive numbers (one per pair of rotary dims)")
+    return tuple(float(x) for x in value)
+
+
+def _attention_factor(kind: str, scaling: dict[str, Any], factor: float, original: int) -> float:
+    """What cos and sin are scaled by: YaRN's (below) or LongRoPE's sqrt(1 + ln(factor) / ln(original)), unless the
+    config states it; 1.0 for every other kind."""
+    if kind == "yarn":
+        return _yarn_attention_factor(scaling, factor)
+    if kind != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    require("original_max_position_embeddings", original, original > 1, "longrope needs a context of two or more")
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _yarn_attention_factor(scaling: dict[str, Any], factor: float) -> float:

@@ -1,16 +1,21 @@
-"""LLaVA-NeXT: a CLIP vision tower, a two-layer projector and a Llama-family language model.
+"""LLaVA-NeXT and LLaVA 1.5: a CLIP vision tower, a two-layer projector and a Llama-family language model.
 
-Parameter names match transformers 5's `LlavaNextForConditionalGeneration` (PEFT adapters name modules
-that way): `model.vision_tower.*` (models/clip.py), `model.multi_modal_projector.linear_{1,2}`,
-`model.image_newline`, `model.language_model.*` (our `LlamaModel`), `lm_head`. `checkpoint_name` maps
-the layouts checkpoints are saved in (transformers 4's llava-hf layout included) onto them.
+Parameter names match transformers 5's `LlavaNextForConditionalGeneration` and `LlavaForConditionalGeneration`
+(PEFT adapters name modules that way): `model.vision_tower.*` (models/clip.py),
+`model.multi_modal_projector.linear_{1,2}`, `model.image_newline` (LLaVA-NeXT only),
+`model.language_model.*` (our `LlamaModel`), `lm_head`. `checkpoint_name` maps the layouts checkpoints
+are saved in (transformers 4's llava-hf layout included) onto them.
 
-Images ("any resolution"): the processor resizes each image to the best of `image_grid_pinpoints`,
-cuts it into square tiles and prepends a base tile of the whole image. `encode_images` runs all tiles
-of all images through the tower and projector in one batch, then packs each image: its base tile's
-features, then the grid's features laid out as one picture, cropped back to the image's aspect ratio
-("unpadded"), each row of features followed by `image_newline`. That is the order of the image's
-placeholder tokens in the prompt.
+Images, LLaVA-NeXT ("any resolution"): the processor resizes each image to the best of
+`image_grid_pinpoints`, cuts it into square tiles and prepends a base tile of the whole image.
+`encode_images` runs all tiles of all images through the tower and projector in one batch, then packs
+each image: its base tile's features, then the grid's features laid out as one picture, cropped back to
+the image's aspect ratio ("unpadded"), each row of features followed by `image_newline`. That is the
+order of the image's placeholder tokens in the prompt.
+
+Images, LLaVA 1.5 (single resolution: a config without `image_grid_pinpoints`): the processor resizes and
+centre-crops each image to one tile; its features are its placeholders' ((image_size / patch_size)^2,
+576 for 336/14; one more with the "full" strategy, which keeps CLIP's CLS). The image's size is not read.
 """
 
 from __future__ import annotations
@@ -93,7 +98,8 @@ class LlavaNextModel(nn.Module):
         assert config.vision is not None, "a llava_next config has a vision part"
         self.vision_tower = CLIPVisionModel(config.vision)
         self.multi_modal_projector = LlavaNextMultiModalProjector(config, config.vision)
-        self.image_newline = nn.Parameter(torch.empty(config.hidden_size))
+        if config.vision.image_grid_pinpoints:  # any resolution: ends each row of grid features
+            self.image_newline = nn.Parameter(torch.empty(config.hidden_size))
         self.language_model = LlamaModel(config)
 
 
@@ -104,6 +110,7 @@ class LlavaNextForConditionalGeneration(nn.Module, ModelFamily):
         super().__init__()
         assert config.vision is not None, "a llava_next config has a vision part"
         self.config, self.vision = config, config.vision
+        self.any_resolution = bool(config.vision.image_grid_pinpoints)  # False: LLaVA 1.5, one tile per image
         self.model = LlavaNextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -132,33 +139,48 @@ class LlavaNextForConditionalGeneration(nn.Module, ModelFamily):
     # ---- images
 
     def tiles_per_image(self, image_sizes: list[ImageSize]) -> list[int]:
-        """Tiles (base + grid) of each image in the processor's pixel_values; the rest is padding."""
+        """Tiles (base + grid) of each image in the processor's pixel_values; the rest is padding.
+        Single resolution: one each, whatever the sizes."""
+        if not self.any_resolution:
+            return [1] * len(image_sizes)
         return [rows * cols + 1 for rows, cols in (grid_shape(s, self.vision) for s in _sizes(image_sizes))]
 
-    def encode_images(self, pixel_values: torch.Tensor, image_sizes: list[ImageSize]) -> list[torch.Tensor]:
+    def encode_images(
+        self, pixel_values: torch.Tensor, image_sizes: list[ImageSize] | None = None
+    ) -> list[torch.Tensor]:
         """Per image, its features [placeholder tokens, hidden] in the order of its placeholders.
 
-        `pixel_values` [images, max_tiles, 3, H, W] as LlavaNextImageProcessor pads it. The real tiles of
-        all images go through the tower and projector as one [tiles, tokens, features] batch, each
-        image's tiles contiguous and in the given order.
+        `pixel_values` [images, max_tiles, 3, H, W] as LlavaNextImageProcessor pads it (single resolution:
+        [images, 1, 3, H, W], and `image_sizes` is not needed). The real tiles of all images go through the
+        tower and projector as one [tiles, tokens, features] batch, each image's tiles contiguous and in
+        the given order.
         """
+        if pixel_values.dim() != 5:
+            raise ValueError(f"pixel_values {tuple(pixel_values.shape)}: expected [images, tiles, 3, H, W]")
+        if not self.any_resolution:
+            return list(self._features(pixel_values[:, 0]))  # one tile per image: its features, in patch order
+        if image_sizes is None:
+            raise ValueError("any-resolution images need their sizes (image_sizes)")
         sizes = _sizes(image_sizes)
         if not sizes:
             return []
         counts = self.tiles_per_image(sizes)
-        if pixel_values.dim() != 5 or pixel_values.shape[0] != len(sizes):
+        if pixel_values.shape[0] != len(sizes):
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)}: expected [{len(sizes)}, tiles, 3, H, W]")
         for i, count in enumerate(counts):
             if pixel_values.shape[1] < count:
                 have = pixel_values.shape[1]
                 raise ValueError(f"image {i} of size {sizes[i]} needs {count} tiles; pixel_values has {have}")
+        features = self._features(torch.cat([pixel_values[i, :count] for i, count in enumerate(counts)]))
+        return [self._pack(f, size) for f, size in zip(features.split(counts), sizes)]
+
+    def _features(self, tiles: torch.Tensor) -> torch.Tensor:
+        """Tiles [tiles, 3, H, W] -> projected features [tiles, patches (+ CLS with "full"), hidden]."""
         weight = self.model.vision_tower.embeddings.patch_embedding.weight
-        tiles = torch.cat([pixel_values[i, :count] for i, count in enumerate(counts)])
         states = self.model.vision_tower(tiles.to(weight.device, weight.dtype), self.vision.feature_layers)
         if self.vision.vision_feature_select_strategy == "default":
             states = states[:, 1:]  # drop CLS
-        features = self.model.multi_modal_projector(states)  # [tiles, patches, hidden]
-        return [self._pack(f, size) for f, size in zip(features.split(counts), sizes)]
+        return self.model.multi_modal_projector(states)
 
     def _pack(self, tiles: torch.Tensor, size: ImageSize) -> torch.Tensor:
         """One image's tile features [tiles, patches, hidden] -> its placeholder features [n, hidden]."""
@@ -187,10 +209,22 @@ def llava_next_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     the image path from `vision_config` and the top level."""
     from transformers import LlavaNextConfig  # configs only: it fills in the defaults
 
+    return _llava_config_from_hf(hf, LlavaNextConfig, any_resolution=True)
+
+
+def llava_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """LLaVA 1.5: as LLaVA-NeXT, with one tile per image (no pinpoints, no `image_newline`)."""
+    from transformers import LlavaConfig
+
+    return _llava_config_from_hf(hf, LlavaConfig, any_resolution=False)
+
+
+def _llava_config_from_hf(hf: dict[str, Any], config_class, any_resolution: bool) -> ModelConfig:
+    model_type = config_class.model_type
     try:  # llava-hf configs saved by transformers 4 omit every text/vision field left at its default
-        full = LlavaNextConfig.from_dict(hf).to_dict()
+        full = config_class.from_dict(hf).to_dict()
     except Exception as e:
-        raise ValueError(f"invalid llava_next config: {e}") from e
+        raise ValueError(f"invalid {model_type} config: {e}") from e
     text, vision = full["text_config"], full["vision_config"]
     if text.get("model_type") not in LLAMA_FAMILY:
         supported = ", ".join(LLAMA_FAMILY)
@@ -199,7 +233,7 @@ def llava_next_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     layer = full["vision_feature_layer"]
     layers = (layer,) if isinstance(layer, int) else tuple(layer)
     token = hf.get("image_token_id", full.get("image_token_index"))
-    pinpoints = tuple(tuple(p) for p in full.get("image_grid_pinpoints") or ())
+    pinpoints = tuple(tuple(p) for p in full.get("image_grid_pinpoints") or ()) if any_resolution else ()
     strategy, projector_act = full["vision_feature_select_strategy"], full["projector_hidden_act"]
 
     require("vision_config.model_type", vision.get("model_type"), vision.get("model_type") == "clip_vision_model",
@@ -212,24 +246,29 @@ def llava_next_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             f"supported: {', '.join(VISION_ACTIVATIONS)}")
     require("projector_hidden_act", projector_act, projector_act in VISION_ACTIVATIONS,
             f"supported: {', '.join(VISION_ACTIVATIONS)}")
-    # "full" keeps CLIP's CLS token, which has no place in the any-resolution grid (transformers fails on it).
-    require("vision_feature_select_strategy", strategy, strategy == "default",
-            "a CLIP tower has a CLS token; supported: default")
+    # "full" keeps CLIP's CLS token, which has no place in the any-resolution grid (transformers fails on it);
+    # a single tile keeps it as one more placeholder.
+    strategies = ("default", "full") if not any_resolution else ("default",)
+    require("vision_feature_select_strategy", strategy, strategy in strategies,
+            f"a CLIP tower has a CLS token; supported: {', '.join(strategies)}")
     require("vision_feature_layer", layer,
             bool(layers) and all(isinstance(i, int) and -num_layers - 1 <= i <= num_layers for i in layers),
             f"each must index the {num_layers + 1} hidden states of the tower")
-    require("image_grid_pinpoints", full.get("image_grid_pinpoints"),
-            bool(pinpoints) and all(len(p) == 2 and all(_positive_multiple(x, image_size) for x in p) for p in pinpoints),
-            f"need (height, width) pairs, each a positive multiple of vision_config.image_size {image_size}")
+    if any_resolution:
+        valid = all(len(p) == 2 and all(_positive_multiple(x, image_size) for x in p) for p in pinpoints)
+        require("image_grid_pinpoints", full.get("image_grid_pinpoints"), bool(pinpoints) and valid,
+                f"need (height, width) pairs, each a positive multiple of vision_config.image_size {image_size}")
     require("image_token_id", token, isinstance(token, int) and 0 <= token < text["vocab_size"],
             f"not a token of the {text['vocab_size']}-token vocabulary")
 
     base = normalised(llama_config_from_hf, text)
-    # transformers 5 writes and obeys the top-level flag; transformers 4 obeyed the text config's.
-    tie = hf["tie_word_embeddings"] if "tie_word_embeddings" in hf else base.tie_word_embeddings
+    if any_resolution:  # transformers 5 writes and obeys the top-level flag; transformers 4 obeyed the text config's
+        tie = hf["tie_word_embeddings"] if "tie_word_embeddings" in hf else base.tie_word_embeddings
+    else:  # transformers 5's LlavaConfig ties when either says so: its resolved flag
+        tie = full["tie_word_embeddings"]
     return replace(
         base,
-        model_type="llava_next",
+        model_type=model_type,
         tie_word_embeddings=bool(tie),
         vision=VisionConfig(
             hidden_size=vision["hidden_size"],
@@ -243,7 +282,7 @@ def llava_next_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             num_channels=vision["num_channels"],
             vision_feature_layer=layer if isinstance(layer, int) else layers,
             vision_feature_select_strategy=strategy,
-            image_grid_pinpoints=pinpoints,  # type: ignore[arg-type]
+            image_grid_pinpoints=pinpoints,  # type: ignore[arg-type]  # empty: single resolution
             image_token_id=token,
             projector_hidden_act=projector_act,
             multimodal_projector_bias=bool(full.get("multimodal_projector_bias", True)),

@@ -10,7 +10,9 @@ from loraplex.config import ModelConfig
 from loraplex.models.bart import BartForConditionalGeneration, bart_config_from_hf
 from loraplex.models.hf_config import normalised
 from loraplex.models.llama import LLAMA_FAMILY, LlamaForCausalLM, llama_config_from_hf
-from loraplex.models.llava_next import LlavaNextForConditionalGeneration, llava_next_config_from_hf
+from loraplex.models.llava_next import (
+    LlavaNextForConditionalGeneration, llava_config_from_hf, llava_next_config_from_hf,
+)
 from loraplex.models.mllama import MllamaForConditionalGeneration, mllama_config_from_hf
 from loraplex.models.mpt import MptForCausalLM, mpt_config_from_hf
 from loraplex.models.t5 import T5ForConditionalGeneration, t5_config_from_hf
@@ -27,6 +29,7 @@ _BART = Family(BartForConditionalGeneration, bart_config_from_hf)
 # In the order an unsupported model_type's error lists them.
 FAMILIES: dict[str, Family] = {
     **dict.fromkeys(LLAMA_FAMILY, _LLAMA),
+    "llava": Family(LlavaNextForConditionalGeneration, llava_config_from_hf),  # LLaVA 1.5: one tile per image
     "llava_next": Family(LlavaNextForConditionalGeneration, llava_next_config_from_hf),
     "mllama": Family(MllamaForConditionalGeneration, mllama_config_from_hf),
     "mpt": Family(MptForCausalLM, mpt_config_from_hf),

@@ -16,7 +16,7 @@ import torch
 class ImageInputs:
     """One request's images as its model's Hugging Face processor returned them."""
 
-    pixel_values: torch.Tensor  # [images, max_tiles, 3, H, W], zero-padded tiles
+    pixel_values: torch.Tensor  # [images, max_tiles, 3, H, W], zero-padded tiles (LLaVA 1.5: one tile each)
     image_sizes: list[tuple[int, int]]  # (height, width) of each original image
     token_id: int  # the placeholder token each image was expanded into (Mllama: one per image)
     positions: list[int] = field(default_factory=list)  # prompt positions of the placeholders, in order
@@ -29,17 +29,23 @@ class ImageInputs:
 
     @classmethod
     def for_prompt(cls, prompt_ids: list[int], pixel_values: torch.Tensor, image_sizes, token_id: int, **extra) -> "ImageInputs":
+        """`pixel_values` [images, tiles, 3, H, W], or [images, 3, H, W] from a single-resolution processor
+        (LLaVA 1.5's CLIPImageProcessor: one tile per image)."""
+        if pixel_values.dim() == 4:
+            pixel_values = pixel_values.unsqueeze(1)
         positions = [i for i, t in enumerate(prompt_ids) if t == token_id]
         return cls(pixel_values, [tuple(s) for s in image_sizes], token_id, positions, **extra)
 
     @classmethod
     def from_processor(cls, outputs, image_sizes: list[tuple[int, int]], token_id: int) -> "ImageInputs":
         """One prompt's Hugging Face processor outputs (`return_tensors="pt"`, a batch of one). LLaVA-NeXT:
-        pixel_values [images, tiles, ...] and image_sizes; Mllama: pixel_values [1, images, tiles, ...],
-        aspect_ratio_ids and aspect_ratio_mask. `image_sizes`: (height, width) of each original image."""
+        pixel_values [images, tiles, ...] and image_sizes; LLaVA 1.5: pixel_values [images, 3, H, W] only;
+        Mllama: pixel_values [1, images, tiles, ...], aspect_ratio_ids and aspect_ratio_mask.
+        `image_sizes`: (height, width) of each original image."""
         ids = outputs["input_ids"][0].tolist()
         if "aspect_ratio_ids" not in outputs:
-            return cls.for_prompt(ids, outputs["pixel_values"], outputs["image_sizes"].tolist(), token_id)
+            sizes = outputs["image_sizes"].tolist() if "image_sizes" in outputs else image_sizes
+            return cls.for_prompt(ids, outputs["pixel_values"], sizes, token_id)
         return cls.for_prompt(
             ids, outputs["pixel_values"][0], image_sizes, token_id,
             aspect_ratio_ids=outputs["aspect_ratio_ids"][0], aspect_ratio_mask=outputs["aspect_ratio_mask"][0],

@@ -11,6 +11,7 @@ from loraplex.layers.forward_context import AttentionMetadata, DecodeGroup
 from loraplex.params import SamplingParams
 from tests.gpu.test_gpu_parity import DEVICE, SMOLLM2_SHAPE
 from tests.helpers import engine_for, load_ours, ours_from_hf, tiny_hf_model, tiny_mpt
+from tests.models.test_llama_family_parity import GEMMA2
 
 if not torch.cuda.is_available():
     pytest.fail("tests/gpu needs a CUDA device", pytrace=False)
@@ -37,26 +38,29 @@ def decode_case(heads, kv_heads, dim, seq_lens, dtype, block_size=16, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(32, 8, 128), (9, 3, 64), (4, 4, 32)], ids=["gqa-8b", "gqa-135m", "mha"])
-@pytest.mark.parametrize("modifier", ["plain", "window", "alibi"])
+@pytest.mark.parametrize("modifier", ["plain", "window", "alibi", "softcap-window"])
 def test_kernel_matches_the_torch_decode(dtype, shape, modifier):
     heads, kv_heads, dim = shape
     seq_lens = [1, 7, 16, 17, 100, 1000, 2049, 33]
     slopes = torch.tensor([2 ** (-8 * (h + 1) / heads) for h in range(heads)]) if modifier == "alibi" else None
-    layer = PagedAttention(0, heads, kv_heads, dim, dim ** -0.5, sliding_window=50 if modifier == "window" else None,
-                           alibi_slopes=slopes)
+    # Gemma 2's: a cap of 2 on scores of unit-variance inputs (most scores reach it), every other layer sliding
+    softcap = 2.0 if modifier == "softcap-window" else None
+    layer = PagedAttention(0, heads, kv_heads, dim, dim ** -0.5, sliding_window=50 if "window" in modifier else None,
+                           alibi_slopes=slopes, softcap=softcap)
     q, k, v, md = decode_case(heads, kv_heads, dim, seq_lens, dtype)
     expected = TorchAttentionBackend()._decode(layer, q, k, v, md, 0).float()
     got = TritonAttentionBackend()._decode(layer, q, k, v, md, 0).float()
     torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("model", ["smollm2-shape", "mistral-window", "mpt-alibi"])
+@pytest.mark.parametrize("model", ["smollm2-shape", "mistral-window", "mpt-alibi", "gemma2"])
 def test_engine_tokens_with_either_backend(model, monkeypatch, tmp_path):
     if model == "mpt-alibi":  # MPT's checkpoint names need the loader's mapping
         ours, config = load_ours(tiny_mpt(), tmp_path)
         ours = ours.to(DEVICE)
     else:
-        kind, overrides = ("llama", SMOLLM2_SHAPE) if model == "smollm2-shape" else ("mistral", {"sliding_window": 24})
+        kind, overrides = {"smollm2-shape": ("llama", SMOLLM2_SHAPE), "mistral-window": ("mistral", {"sliding_window": 24}),
+                           "gemma2": ("gemma2", {**GEMMA2, "sliding_window": 24})}[model]
         ours, config = ours_from_hf(tiny_hf_model(kind, **overrides).to(DEVICE), device=DEVICE)
     rng = random.Random(0)
     vocab = config.vocab_size

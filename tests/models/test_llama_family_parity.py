@@ -1,11 +1,16 @@
 """Llama-family parity with transformers on tiny random-weight configs: logits close, greedy identical."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from loraplex.engine.loading import build_model
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for, full_logits, ours_from_hf, tiny_hf_model
 
+GEMMA2 = {"head_dim": 32, "sliding_window": 12, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 0.05,
+          "final_logit_softcapping": 0.5}
 VARIANTS = {
     "llama": ("llama", {}),
     "llama-untied-mha": ("llama", {"num_key_value_heads": 4}),
@@ -27,6 +32,9 @@ VARIANTS = {
     "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
     # norms scaling by 1 + weight, embeddings by sqrt(hidden), the tanh GELU (its legacy "gelu" name), tied head.
     "gemma": ("gemma", {"head_dim": 32, "hidden_act": "gelu"}),
+    # Gemma's, with scores and logits soft-capped (caps small enough that random weights' scores reach them),
+    # query_pre_attn_scalar, a norm each side of attention and MLP, every other layer sliding (transformers' default).
+    "gemma2": ("gemma2", GEMMA2),
     # q/k/v as one qkv_proj, gate/up as one gate_up_proj; Phi-3 slides every layer when sliding_window is set.
     "phi3": ("phi3", {"pad_token_id": 0}),
     "phi3-sliding": ("phi3", {"pad_token_id": 0, "sliding_window": 12}),
@@ -64,10 +72,11 @@ def test_greedy_tokens_match_transformers(pair):
         assert result.token_ids == expected[0, len(prompt):].tolist()
 
 
-def test_partial_rotary_is_refused_by_name():
-    from loraplex.models.registry import config_from_hf
-
-    hf = tiny_hf_model("phi3", pad_token_id=0).config.to_dict()
-    hf["rope_parameters"] = {**hf["rope_parameters"], "partial_rotary_factor": 0.75}
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
-        config_from_hf(hf)
+def test_gemma2_soft_caps_matter():
+    """Each cap changes the logits of the variant above, so its parity tests cover the caps."""
+    hf = tiny_hf_model("gemma2", **GEMMA2)
+    _, config = ours_from_hf(hf)
+    expected = full_logits(*ours_from_hf(hf), PROMPTS[0])
+    for uncapped in (replace(config, attention_softcap=None), replace(config, final_logit_softcap=None)):
+        model = build_model(uncapped, {k: v.detach().clone() for k, v in hf.state_dict().items()})
+        assert (full_logits(model, uncapped, PROMPTS[0]) - expected).abs().max() > 1e-2

@@ -50,14 +50,21 @@ def hf_config(vision_feature_layer=-2, **overrides):
 def tiny_llava(seed: int = 0, **config):
     """A random transformers LLaVA-NeXT whose image path visibly matters."""
     torch.manual_seed(seed)
-    model = transformers.LlavaNextForConditionalGeneration(hf_config(**config)).eval()
+    model = with_visible_images(transformers.LlavaNextForConditionalGeneration(hf_config(**config)).eval())
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):  # init leaves norms at 1 and biases at 0
-                p.add_(torch.randn_like(p) * 0.1)
-            if "multi_modal_projector" in name and name.endswith("weight"):  # image rows as large as text rows
-                p.mul_(4.0)
         model.model.image_newline.normal_()
+    return model
+
+
+@torch.no_grad()
+def with_visible_images(model):
+    """A random LLaVA (NeXT or 1.5) whose norms and biases are not at their init values and whose image
+    rows are as large as its text rows (so the image visibly changes the answer)."""
+    for name, p in model.named_parameters():
+        if "norm" in name or name.endswith("bias"):  # init leaves norms at 1 and biases at 0
+            p.add_(torch.randn_like(p) * 0.1)
+        if "multi_modal_projector" in name and name.endswith("weight"):
+            p.mul_(4.0)
     return model
 
 

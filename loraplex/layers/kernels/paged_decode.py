@@ -7,7 +7,7 @@ computed together, padded to 16 rows: scores and weighted values are tensor-core
 row. The context is split across programs (flash-decoding) so that even a few rows keep the GPU reading; each
 split keeps its own running softmax in float32 (online, as FlashAttention's) and the splits are merged after.
 Score modifiers as `PagedAttention` defines them: a sliding window (keys more than `window` positions back are
-hidden) and ALiBi slopes (`slope[h] * (key_pos - query_pos)` added to the scaled scores). An FP8 cache
+hidden), a soft cap (Gemma 2) and ALiBi slopes (`slope[h] * (key_pos - query_pos)` added to the scaled scores). An FP8 cache
 (layers/kv_quant.py) is read as e4m3 and widened to the query's dtype exactly; its per-KV-head scales, constant in a
 program, multiply the scores (keys') and the output (values'), not every element. The torch backend's `_decode` is
 the reference (tests/gpu/test_gpu_paged_decode.py, tests/gpu/test_gpu_kv_fp8.py).
@@ -27,12 +27,13 @@ NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any sequen
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, slopes_ptr, kv_scales_ptr, acc_ptr, ml_ptr,
-    scale, window, blocks_per_split,
+    scale, window, softcap, blocks_per_split,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_tb,
     HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -79,6 +80,8 @@ def _paged_decode_kernel(
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * score_scale  # [GROUP_P, TOKENS]
         else:
             scores = tl.dot(q, tl.trans(k)) * score_scale
+        if SOFTCAP:  # softcap * tanh(scores / softcap), as tanh(x) = 1 - 2 / (exp(2x) + 1): saturates, never NaN
+            scores = softcap * (1.0 - 2.0 / (tl.exp(scores * (2.0 / softcap)) + 1.0))
         if HAS_ALIBI:
             scores += slopes[:, None] * (key_pos - query_pos).to(tl.float32)[None, :]
         scores = tl.where(visible[None, :], scores, float("-inf"))
@@ -114,11 +117,12 @@ TOKENS_PER_STEP = 64  # keys per iteration: four 16-token blocks, one tensor-cor
 def paged_decode(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None,
-    max_seq_len: int | None = None, kv_scales: torch.Tensor | None = None,
+    max_seq_len: int | None = None, kv_scales: torch.Tensor | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of decode queries q [B, H, D] over their cached keys/values ([num_blocks, block_size, Hkv, D]),
     sequence i's blocks listed in block_tables[i] and its length (the query's position + 1) in seq_lens[i];
-    `max_seq_len`: the longest (default: the block table's width); `kv_scales` [2, Hkv] (float32): an FP8 cache's."""
+    `max_seq_len`: the longest (default: the block table's width); `kv_scales` [2, Hkv] (float32): an FP8 cache's;
+    `softcap`: scaled scores s become softcap * tanh(s / softcap)."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     assert num_heads % num_kv_heads == 0 and key_cache.stride(3) == 1 and q.stride(2) == 1
@@ -138,13 +142,13 @@ def paged_decode(
     assert block_tables.stride(1) == 1, "each row's block ids must be contiguous"
     _paged_decode[(batch, num_kv_heads, splits)](
         q, key_cache, value_cache, block_tables, seq_lens, slopes, kv_scales if fp8 else slopes, acc, ml,
-        scale, sliding_window or NO_WINDOW, blocks_per_split,
+        scale, sliding_window or NO_WINDOW, softcap or 1.0, blocks_per_split,
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),
         HEAD_DIM=head_dim, DIM_P=triton.next_power_of_2(head_dim), GROUP=group,
         GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, TOKENS=TOKENS_PER_STEP,
-        HAS_ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32, FP8=fp8,
+        HAS_ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32, FP8=fp8, SOFTCAP=softcap is not None,
     )
     out = torch.empty_like(q)
     _merge_splits[(batch, num_heads)](acc, ml, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
