@@ -1,24 +1,30 @@
-"""Merge several LoRA adapters into one, exactly as PEFT's `LoraModel.add_weighted_adapter` does.
+"""Merge several LoRA adapters into one, exactly as PEFT's `LoraModel.add_weighted_adapter` does (PEFT >= 0.22).
 
-Supported strategies (PEFT's `combination_type`): "linear", "ties", "dare_linear", "dare_ties". All of
-them merge the A and the B matrices separately (never the products B @ A), so the result keeps the
-inputs' rank. What PEFT does, and we reproduce:
+Supported strategies (PEFT's `combination_type`): "linear", "cat", "ties", "dare_linear", "dare_ties" and
+"magnitude_prune". All of them merge the A and the B matrices separately (never the products B @ A). What
+PEFT does, and we reproduce:
 
-* Ranks. Every adapter must have the same rank, read as PEFT reads it: `r`, or the largest of `r` and
-  the `rank_pattern` values. The result gets `r = lora_alpha =` that rank and no patterns, so its scale
-  is 1 (or `sqrt(r)` with rsLoRA) on every module, even where a `rank_pattern` made the tensors
-  smaller. Adapters that share a module must also have the same rank on it (PEFT fails there).
-* Config. Everything else comes from the *first* adapter's config (use_rslora, layers_to_transform,
-  layers_pattern, exclude_modules); target_modules is the union of all of them (regexes are joined
-  with "|"; a mix of regex and list is refused, as PEFT does). So a module an adapter covers can be
-  dropped when the first adapter's layers_to_transform / exclude_modules leave it out.
-* Modules. Each module of the result merges only the adapters that have it.
+* Ranks. "cat" stacks the adapters' factors, so the result's rank is the sum of the inputs' ranks (which
+  may differ). Every other strategy needs all adapters to have the same rank, read as PEFT reads it: `r`,
+  or the largest of `r` and the `rank_pattern` values; the result keeps it. Adapters that share a module
+  must then also have the same rank on it (PEFT fails there).
+* Scale. Each source adapter's own scale (alpha / r, or alpha / sqrt(r) with rsLoRA, per module) is folded
+  into the merged factors, so the result has `r = lora_alpha`, no patterns and no rsLoRA: its scale is 1
+  on every module. (Before 0.22 PEFT copied the first adapter's rsLoRA flag and scaled a second time.)
+* Config. Everything else comes from the *first* adapter's config (layers_to_transform, layers_pattern,
+  exclude_modules); target_modules is the union of all of them (regexes are joined with "|"; a mix of
+  regex and list is refused, as PEFT does). So a module an adapter covers can be dropped when the first
+  adapter's layers_to_transform / exclude_modules leave it out.
+* Modules. Each module of the result merges only the adapters that have it. A "cat" module holds only
+  the factors of those adapters: PEFT pads them with zero rows up to the summed rank, which adds nothing.
 * Weights. Adapter i's A is multiplied by `sign * sqrt(|w_i * scale_i|)` and its B by
-  `sqrt(|w_i * scale_i|)`, so B @ A picks up `w_i * scale_i` (negative weights subtract).
+  `sqrt(|w_i * scale_i|)`, so B @ A picks up `w_i * scale_i` (negative weights subtract); "cat" puts
+  all of `w_i * scale_i` on A.
 * ties: keep each tensor's `density` fraction of largest magnitudes, elect a sign per entry (sum of
   the unweighted values for "total", count of signs for "frequency"), then average the weighted
-  values that agree with it. dare_*: keep each entry with probability `density`, divide by `density`,
-  then sum (dare_linear) or elect and average as ties does (dare_ties). density 1 prunes nothing.
+  values that agree with it. magnitude_prune: the same trim, then a plain weighted sum. dare_*: keep
+  each entry with probability `density`, divide by `density`, then sum (dare_linear) or elect and
+  average as ties does (dare_ties). density 1 prunes nothing.
 * A single adapter is always merged linearly, whatever the strategy.
 
 DARE is random. For PEFT's numbers to be reproducible, random masks are drawn from `generator` in
@@ -36,10 +42,10 @@ import torch
 
 from loraplex.lora.adapter import AdapterInvalid, LoraAdapter, LoraConfig, LoraWeights, check_weights
 
-MERGE_STRATEGIES = ("linear", "ties", "dare_linear", "dare_ties")
+MERGE_STRATEGIES = ("linear", "cat", "ties", "dare_linear", "dare_ties", "magnitude_prune")
 MAJORITY_SIGN_METHODS = ("total", "frequency")
 
-_PRUNED = ("ties", "dare_linear", "dare_ties")
+_PRUNED = ("ties", "dare_linear", "dare_ties", "magnitude_prune")
 _SIGN_ELECTED = ("ties", "dare_ties")
 _RANDOM = ("dare_linear", "dare_ties")
 # Linears in the order a Llama-family decoder layer registers them (so named_modules() yields them).
@@ -64,7 +70,8 @@ def merge_adapters(
     _check_arguments(adapters, weights, strategy, density, majority_sign_method)
     if len(adapters) == 1:
         strategy = "linear"  # PEFT's rule: one adapter is only ever scaled
-    config = _merged_config(adapters, _common_rank(adapters, strategy))
+    rank = sum(_rank(a) for a in adapters) if strategy == "cat" else _common_rank(adapters, strategy)
+    config = _merged_config(adapters, rank)
     if generator is None:
         generator = torch.Generator(_device(adapters)).manual_seed(0)
 
@@ -73,8 +80,11 @@ def merge_adapters(
     with torch.no_grad():
         for module in sorted(covered, key=module_order_key):
             present = [(adapter, w) for adapter, w in zip(adapters, weights) if module in adapter.modules]
-            _check_module_ranks(module, [adapter for adapter, _ in present])
-            a, b = _merge_module(module, present, strategy, density, majority_sign_method, generator)
+            if strategy == "cat":
+                a, b = _concatenate_module(module, present)
+            else:
+                _check_module_ranks(module, [adapter for adapter, _ in present])
+                a, b = _merge_module(module, present, strategy, density, majority_sign_method, generator)
             modules[module] = LoraWeights(a, b, config.scale(module))
             check_weights(f"the merge's {module}", modules[module])  # weights can push finite inputs past the bounds
     return LoraAdapter(adapter_id, modules, config).packed()
@@ -122,11 +132,15 @@ def _check_arguments(
 
 def _common_rank(adapters: Sequence[LoraAdapter], strategy: str) -> int:
     """The rank all adapters share, as PEFT reads it (largest of r and rank_pattern), or refuse."""
-    ranks = {a.adapter_id: max([a.config.r, *a.config.rank_pattern.values()]) for a in adapters}
+    ranks = {a.adapter_id: _rank(a) for a in adapters}
     if len(set(ranks.values())) > 1:
         listed = ", ".join(f"{name!r} has rank {rank}" for name, rank in ranks.items())
         raise AdapterInvalid(f"merge strategy {strategy!r} needs adapters of equal rank; {listed}")
     return next(iter(ranks.values()))
+
+
+def _rank(adapter: LoraAdapter) -> int:
+    return max([adapter.config.r, *adapter.config.rank_pattern.values()])
 
 
 def _check_module_ranks(module: str, adapters: Sequence[LoraAdapter]) -> None:
@@ -141,12 +155,12 @@ def _check_module_ranks(module: str, adapters: Sequence[LoraAdapter]) -> None:
 
 
 def _merged_config(adapters: Sequence[LoraAdapter], rank: int) -> LoraConfig:
-    """The first adapter's config with the union of targets, r = alpha = rank and no patterns (as PEFT)."""
+    """The first adapter's config with the union of targets, r = alpha = rank, no patterns, no rsLoRA: scale 1."""
     first = adapters[0].config
     return LoraConfig(
         r=rank,
         lora_alpha=float(rank),
-        use_rslora=first.use_rslora,
+        use_rslora=False,
         target_modules=_merged_targets(adapters),
         layers_to_transform=first.layers_to_transform,
         layers_pattern=first.layers_pattern,
@@ -191,6 +205,15 @@ def _merge_module(
         factors_t = torch.tensor(factors, device=first_a.device)
         merged.append(_merge_tensors(tensors, factors_t, strategy, density, sign_method, generator).to(first_a.dtype))
     return merged[0], merged[1]
+
+
+def _concatenate_module(module: str, present: Sequence[tuple[LoraAdapter, float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adapters' factors stacked along the rank, each A carrying its adapter's weight and scale."""
+    dtype = present[0][0].modules[module].a.dtype
+    parts = [adapter.modules[module] for adapter, _ in present]
+    a = torch.cat([part.a.float() * (weight * part.scale) for part, (_, weight) in zip(parts, present)], dim=0)
+    b = torch.cat([part.b.float() for part in parts], dim=1)
+    return a.to(dtype), b.to(dtype)
 
 
 def _merge_tensors(

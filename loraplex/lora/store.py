@@ -199,7 +199,7 @@ class AdapterStore:
         # Keyed by the parts' keys: canonical ids, and for hub parts their revisions and token scopes.
         spec = replace(spec, ids=tuple(part.key for part in parts))
         key = spec.key(self.source_of(source))
-        return await asyncio.wrap_future(self._future(key, lambda k: _merge(k, parts, spec)))
+        return await asyncio.wrap_future(self._future(key, lambda k: _merge(k, parts, spec, self.max_rank)))
 
     def _adapter_future(
         self, adapter_id: str, source: str | None, api_token: str | None
@@ -370,9 +370,15 @@ def _check_spec(spec: MergeSpec) -> None:
         )
 
 
-def _merge(key: str, parts: list[LoraAdapter], spec: MergeSpec) -> LoraAdapter:
+def _merge(key: str, parts: list[LoraAdapter], spec: MergeSpec, max_rank: int) -> LoraAdapter:
     # A fixed seed: the same merge request always gives the same (DARE-pruned) adapter.
-    return merge_adapters(
+    merged = merge_adapters(
         key, parts, list(spec.weights), spec.strategy, spec.density, spec.majority_sign_method,
         generator=torch.Generator().manual_seed(0),
     )
+    rank = max((weights.rank for weights in merged.modules.values()), default=0)
+    if rank > max_rank:  # "cat" adds the parts' ranks up
+        raise AdapterInvalid(
+            f"the {spec.strategy!r} merge has LoRA rank {rank}, above the maximum LoRA rank {max_rank} (--max-lora-rank)"
+        )
+    return merged

@@ -30,7 +30,7 @@ class MergedAdapters(RequestModel):
     ids: list[str]
     weights: list[float]
     # lorax-client sends null for the ones its caller left out: null means the default.
-    merge_strategy: Literal["linear", "ties", "dare_linear", "dare_ties"] | None = "linear"
+    merge_strategy: Literal["linear", "cat", "ties", "dare_linear", "dare_ties", "magnitude_prune"] | None = "linear"
     density: float = Field(default=1.0, gt=0.0, le=1.0)
     majority_sign_method: Literal["total", "frequency"] | None = "total"
 

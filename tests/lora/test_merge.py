@@ -116,8 +116,13 @@ def assert_merges_like_peft(base, configs, names, weights, strategy, density=1.0
     assert sorted(merged.modules) == sorted(theirs)
     for module, layer in theirs.items():
         got = merged.modules[module]
-        torch.testing.assert_close(got.a, layer.lora_A[MERGED].weight, rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(got.b, layer.lora_B[MERGED].weight, rtol=1e-6, atol=1e-7)
+        a, b = layer.lora_A[MERGED].weight, layer.lora_B[MERGED].weight
+        if strategy == "cat":  # PEFT pads each module's stacked factors with zeros up to the summed rank
+            assert got.rank <= a.shape[0]
+            assert not a[got.rank:].any() and not b[:, got.rank:].any()
+            a, b = a[: got.rank], b[:, : got.rank]
+        torch.testing.assert_close(got.a, a, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got.b, b, rtol=1e-6, atol=1e-7)
         # What PEFT adds to the base weight, with its own scaling of the new adapter.
         torch.testing.assert_close(got.scale * got.b @ got.a, layer.get_delta_weight(MERGED), rtol=1e-6, atol=1e-6)
         assert merged.config.scale(module) == got.scale
@@ -137,20 +142,38 @@ def assert_merges_like_peft(base, configs, names, weights, strategy, density=1.0
         (("first", "second", "third"), (1.0, 0.7, 0.4), "dare_ties", 0.5, "total"),
         (("second", "third"), (0.5, 1.5), "dare_ties", 0.7, "frequency"),
         (("second",), (0.5,), "dare_ties", 0.5, "total"),  # one adapter: PEFT merges it linearly
+        (("second", "first", "third"), (0.6, -1.2, 0.9), "cat", 1.0, "total"),
+        (("first", "third"), (1.0, 0.5), "magnitude_prune", 0.4, "total"),
+        (("second", "first", "third"), (0.7, 0.3, -0.8), "magnitude_prune", 1.0, "total"),
     ],
 )
 def test_matches_peft(base, names, weights, strategy, density, sign_method):
     assert_merges_like_peft(base, MAIN, names, weights, strategy, density, sign_method, seed=7)
 
 
-def test_result_config_takes_rank_and_rslora_from_the_first_adapter(base):
-    merged = assert_merges_like_peft(base, MAIN, ("second", "first"), (1.0, 1.0), "linear")
+@pytest.mark.parametrize("names", [("second", "first"), ("first", "second")])
+def test_result_has_scale_one_whatever_the_first_adapters_rslora(base, names):
+    """PEFT >= 0.22: the sources' scales are folded into the factors, so the result is not scaled again
+    (before, a first adapter with rsLoRA made every merged delta sqrt(r) times too large)."""
+    merged = assert_merges_like_peft(base, MAIN, names, (1.0, 1.0), "linear")
     config = merged.config
-    assert (config.r, config.lora_alpha, config.use_rslora) == (4, 4.0, True)
+    assert (config.r, config.lora_alpha, config.use_rslora) == (4, 4.0, False)
     assert set(config.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "lm_head"}
-    assert {w.scale for w in merged.modules.values()} == {2.0}  # alpha / sqrt(r) = 4 / 2
-    plain = assert_merges_like_peft(base, MAIN, ("first", "second"), (1.0, 1.0), "linear")
-    assert {w.scale for w in plain.modules.values()} == {1.0}
+    assert {w.scale for w in merged.modules.values()} == {1.0}
+
+
+def test_cat_takes_mixed_ranks_and_adds_them_up(base):
+    configs = {
+        "rs8": peft.LoraConfig(r=8, lora_alpha=4, use_rslora=True, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+        "r4": peft.LoraConfig(r=4, lora_alpha=16, rank_pattern={"v_proj": 2}, target_modules=["v_proj", "o_proj"],
+                              init_lora_weights=False),
+    }
+    merged = assert_merges_like_peft(base, configs, ("rs8", "r4"), (0.5, -1.5), "cat")
+    assert (merged.config.r, merged.config.lora_alpha, merged.config.use_rslora) == (12, 12.0, False)
+    ranks = {module.rsplit(".", 1)[-1]: w.rank for module, w in merged.modules.items()}
+    assert ranks == {"q_proj": 8, "v_proj": 10, "o_proj": 4}  # v_proj: 8 + its rank pattern's 2
+    with pytest.raises(AdapterInvalid, match="equal rank"):
+        assert_merges_like_peft(base, configs, ("rs8", "r4"), (0.5, -1.5), "linear")
 
 
 @pytest.mark.parametrize(
@@ -159,10 +182,10 @@ def test_result_config_takes_rank_and_rslora_from_the_first_adapter(base):
 )
 def test_matches_peft_with_rank_pattern(base, names, strategy):
     merged = assert_merges_like_peft(base, RANK_PATTERN, names, (0.7,) * len(names), strategy, density=0.6, seed=3)
-    # The result has r = alpha = 8 and no patterns: q_proj keeps its rank-4 tensors but gets the rank-8 scale.
+    # The result has r = alpha = 8 and no patterns: q_proj keeps its rank-4 tensors, every scale is 1.
     q_proj = merged.modules["model.layers.0.self_attn.q_proj"]
     assert q_proj.rank == 4
-    assert q_proj.scale == pytest.approx(8 / math.sqrt(8) if names[0] == "rs_patterned" else 1.0)
+    assert {w.scale for w in merged.modules.values()} == {1.0}
 
 
 def test_first_adapters_layers_to_transform_limits_the_result(base):
@@ -237,13 +260,15 @@ def main_adapters(base) -> dict[str, LoraAdapter]:
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(strategy="svd"), "unknown merge strategy 'svd'; expected one of linear, ties, dare_linear, dare_ties"),
+        (dict(strategy="svd"), "unknown merge strategy 'svd'; expected one of linear, cat, ties, dare_linear, dare_ties, "
+                               "magnitude_prune"),
         (dict(names=()), "the list of adapters is empty"),
         (dict(weights=(1.0,)), "got 1 weights for 2 adapters"),
         (dict(weights=(1.0, math.nan)), "the weight of adapter 'third' is nan"),
         (dict(strategy="ties", density=0.0), "density must be in (0, 1] for strategy 'ties'; got 0.0"),
         (dict(strategy="dare_linear", density=1.5), "density must be in (0, 1] for strategy 'dare_linear'; got 1.5"),
         (dict(strategy="dare_ties", density=-0.2), "density must be in (0, 1] for strategy 'dare_ties'"),
+        (dict(strategy="magnitude_prune", density=0.0), "density must be in (0, 1] for strategy 'magnitude_prune'"),
         (dict(strategy="ties", majority_sign_method="mean"), "unknown majority_sign_method 'mean'"),
     ],
 )

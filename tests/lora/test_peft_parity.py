@@ -9,6 +9,7 @@ copy of the transformers model: the session-shared `embedded_hf` is never modifi
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex.lora.adapter import AdapterInvalid, load_adapter_dir
+from loraplex.lora.store import AdapterStore, MergeSpec
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for, full_logits, ours_from_hf, tiny_hf_model
 from tests.lora.peft_helpers import (
@@ -226,6 +228,32 @@ def test_tiny_mixed_batch_gives_each_request_its_solo_tokens(tiny: Tiny, tmp_pat
     assert [tokens for tokens, _ in mixed] == solo
     for (p, name, _), (tokens, logprobs) in zip(plan, mixed):
         _assert_logprobs_match(models[name] if name else tiny.hf, prompts[p], tokens, logprobs)
+
+
+@pytest.mark.parametrize("strategy, density", [("linear", 1.0), ("cat", 1.0), ("ties", 0.6), ("magnitude_prune", 0.5)])
+def test_merged_request_gives_peft_merged_adapters_tokens(tiny: Tiny, tmp_path: pathlib.Path, strategy, density) -> None:
+    """A request for a merge (LoRAX's merged_adapters, through the store) answers as PEFT's add_weighted_adapter.
+
+    The first adapter uses rsLoRA: PEFT >= 0.22 gives the merge a scale of 1, where it used to scale the
+    merged delta by sqrt(r) a second time."""
+    model = peft_model(tiny.hf, seed=31, r=8, lora_alpha=8, use_rslora=True, target_modules=ALL)
+    add_random_adapter(model, "plain", seed=32, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"])
+    model.save_pretrained(str(tmp_path / "rs"), selected_adapters=["default"])
+    model.save_pretrained(str(tmp_path), selected_adapters=["plain"])  # PEFT writes a named adapter to tmp_path/plain
+    weights = (0.7, -0.9)
+    model.base_model.add_weighted_adapter(
+        ["default", "plain"], list(weights), "merged", combination_type=strategy, density=density
+    )
+    model.set_adapter("merged")
+    expected = reference_greedy(model.eval(), GREEDY_PROMPT, NEW_TOKENS)
+
+    store = AdapterStore(tiny.engine.lora.base_shapes, 64, roots=[tmp_path], default_source="local",
+                         base_weight=tiny.base_weight)
+    merged = asyncio.run(store.get_merged(MergeSpec(("rs", "plain"), weights, strategy, density)))
+    assert {w.scale for w in merged.modules.values()} == {1.0}
+    ((tokens, _),), _ = _run(tiny.engine, [(GREEDY_PROMPT, NEW_TOKENS, merged)])
+    assert tokens == expected
+    assert expected != tiny.base_tokens, "the merge does not change the greedy tokens"
 
 
 @pytest.mark.parametrize("change", ["one_row_trained", "head_scaled", "vocabulary_resized"])

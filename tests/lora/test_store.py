@@ -625,6 +625,16 @@ def test_merge_with_an_unknown_strategy_is_invalid(store, root, loads):
     assert loads.calls == []  # refused before any adapter was read
 
 
+def test_a_cat_merge_past_the_maximum_rank_is_invalid(store, root):
+    write_adapter(root / "a", seed=1)
+    write_adapter(root / "b", seed=2)
+    write_adapter(root / "c", seed=3)
+    two = asyncio.run(store.get_merged(MergeSpec(("a", "b"), (0.5, 0.5), "cat")))
+    assert {w.rank for w in two.modules.values()} == {MAX_RANK}  # 4 + 4: at the maximum, served
+    with pytest.raises(AdapterInvalid, match="'cat' merge has LoRA rank 12, above the maximum LoRA rank 8"):
+        asyncio.run(store.get_merged(MergeSpec(("a", "b", "c"), (0.5, 0.5, 0.5), "cat")))
+
+
 def test_merge_with_a_missing_adapter_is_not_found(store, root):
     write_adapter(root / "a")
     with pytest.raises(AdapterNotFound, match="'missing'"):
