@@ -8,6 +8,24 @@ import torch
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.loading import LoadedModel, load_model
+from tests import locked_versions
+
+
+def pytest_report_header(config) -> list[str]:
+    return locked_versions.summary()
+
+
+def pytest_sessionstart(session) -> None:
+    # `pytest -q` (as `make test` runs it) prints no header: name the versions and any drift all the same.
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and session.config.get_verbosity() < 0:
+        for line in locked_versions.summary():
+            reporter.write_line(line)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    # The lock check first: a red run names a version drift before the mismatches it may cause.
+    items.sort(key=lambda item: item.module.__name__ != "tests.test_locked_versions" if item.module else True)
 
 
 @pytest.fixture(scope="session")
