@@ -298,7 +298,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.adapter_id:
         from loraplex.server.app import adapter_store
 
-        store = adapter_store(engine, ServerConfig(adapter_source=args.adapter_source, adapter_roots=tuple(args.adapter_root or ())))
+        store = adapter_store(engine.adapter_targets(), ServerConfig(adapter_source=args.adapter_source, adapter_roots=tuple(args.adapter_root or ())))
         adapter = store.load(args.adapter_id)
     (result,) = engine.generate([prompt_ids], params, adapters=[adapter])
     print(result.generated_text)

@@ -4,6 +4,9 @@ The engine is only ever touched by its thread. Callers talk to it through a queu
 (AddRequest / AbortRequest); outputs come back through each request's asyncio.Queue via call_soon_threadsafe.
 The thread blocks on a condition when there is no work, so an idle server burns no CPU.
 
+The server reads only this facade: `model` (a frozen description of the served model), `stats()`, `alive`, and
+the calls below; never the `Engine` behind it.
+
 If the thread itself dies (an error outside a step's own handling), every waiting caller is failed at once
 and later calls fail before they queue: nothing hangs on a queue nobody will fill, and `alive` says so (the
 server's /health answers 503).
@@ -23,6 +26,8 @@ from typing import AsyncIterator
 from loraplex.engine.engine import Engine
 from loraplex.engine.output import RequestOutput
 from loraplex.engine.request import RequestRefused
+from loraplex.engine.served_model import ServedModel
+from loraplex.engine.stats import EngineStats
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.params import GrammarSpec, SamplingParams
@@ -59,7 +64,8 @@ class _Subscriber:
 
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+        self.engine = engine  # touched by the engine thread only (and by tests)
+        self.model: ServedModel = engine.describe()
         self._commands: deque[Command] = deque()
         self._wake = threading.Condition()
         self._subscribers: dict[str, _Subscriber] = {}
@@ -115,6 +121,10 @@ class AsyncEngine:
             raise RequestRefused(
                 f"grammar refused: {spec.kind} did not compile within {limit:g} s (grammar compile timeout)"
             ) from None
+
+    def stats(self) -> EngineStats:
+        """The engine's queues, caches and counters now (a snapshot built on the asking thread)."""
+        return self.engine.stats()
 
     @property
     def alive(self) -> bool:

@@ -21,7 +21,7 @@ from loraplex.engine.containment import execute_contained, failed_install_result
 from loraplex.engine.adapters import EngineAdapters
 from loraplex.engine.decode_graphs import BATCH_SIZES as GRAPH_BATCH_SIZES
 from loraplex.engine.grammar_masks import GrammarMasks
-from loraplex.engine.inputs import GrammarCache, InputProcessor, ProcessedInputs
+from loraplex.engine.inputs import GrammarCache, InputLimits, InputProcessor, ProcessedInputs
 from loraplex.engine.joins import WaitingJoins
 from loraplex.engine.loading import LoadedModel, load_model
 from loraplex.engine.memory import kv_cache_blocks, kv_cache_dtype
@@ -32,6 +32,7 @@ from loraplex.engine.request import Request
 from loraplex.engine.logits import ForcedTokens
 from loraplex.engine.runner import GraphSettings, ModelRunner, StepResult
 from loraplex.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from loraplex.engine.served_model import ServedModel
 from loraplex.engine.speculative import SpecDecodeCounters, propose_drafts
 from loraplex.engine.stats import AdapterTargets, EngineStats, engine_stats
 from loraplex.engine.verification import SampledToken
@@ -97,9 +98,10 @@ class Engine:
         # method of the engine: nothing the engine holds refers back to it).
         masks = functools.partial(_enable_grammar_masks, self.runner, mc.vocab_size)
         grammars = GrammarCache(self.tokenizer, mc, config, on_first=masks)
+        limits = InputLimits(self.model_id, config.max_input_length, self.max_total_tokens, self.is_encoder_decoder,
+                             self.runner.takes_images)
         self.inputs = InputProcessor(
-            mc, config, self.scheduler, model_id=self.model_id, max_total_tokens=self.max_total_tokens,
-            takes_images=self.runner.takes_images, lora_modules=self.lora.layers, grammars=grammars,
+            mc, config, self.scheduler, limits=limits, lora_modules=self.lora.layers, grammars=grammars,
             states_per_tile=self.runner.model.states_per_tile if mc.mllama is not None else None,
         )
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_total_tokens)
@@ -150,6 +152,18 @@ class Engine:
         return self.runner.takes_images
 
     # ---- what the server reads ------------------------------------------------------------------
+
+    def describe(self) -> ServedModel:
+        """The served model as the server may know it (fixed from here on)."""
+        name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+        return ServedModel(
+            model_id=self.model_id, model_type=self.model_config.model_type, tokenizer=self.tokenizer,
+            processor=self.processor, device_type=self.device.type, dtype=name(self.dtype),
+            kv_cache_dtype=name(self.kv_cache_dtype), limits=self.inputs.limits,
+            kv_capacity_tokens=self.kv_capacity_tokens, bos_token_id=self.model_config.bos_token_id,
+            sampling_defaults=self.model_config.sampling_defaults, settings=self.config,
+            adapter_targets=self.adapter_targets(),
+        )
 
     def stats(self) -> EngineStats:
         """A snapshot of the queues, caches and counters, from any thread (engine/stats.py)."""

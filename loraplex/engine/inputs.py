@@ -96,40 +96,27 @@ class GrammarCache:
         return self.compile(spec).deep_copy()
 
 
-class InputProcessor:
-    def __init__(
-        self, model_config: ModelConfig, config: EngineConfig, scheduler: Scheduler, *, model_id: str,
-        max_total_tokens: int, takes_images: bool, states_per_tile: int | None, lora_modules: Collection[str],
-        grammars: GrammarCache,
-    ) -> None:
-        self.model_config, self.config, self.scheduler = model_config, config, scheduler
-        self.model_id, self.max_total_tokens, self.takes_images = model_id, max_total_tokens, takes_images
-        self.states_per_tile, self.lora_modules, self.grammars = states_per_tile, lora_modules, grammars
+@dataclass(frozen=True)
+class InputLimits:
+    """The checks a request's sizes and images pass, from the model's fixed limits alone: the server runs them at
+    its edge (from any thread), the input processor again when the request is queued."""
 
-    @property
-    def is_encoder_decoder(self) -> bool:
-        return self.model_config.encoder_decoder is not None
-
-    @property
-    def image_token_id(self) -> int | None:
-        """The token that stands for an image in a prompt (None: the model takes no images)."""
-        config = self.model_config
-        if config.mllama is not None:
-            return config.mllama.image_token_id
-        return config.vision.image_token_id if config.vision is not None else None
+    model_id: str
+    max_input_length: int
+    max_total_tokens: int  # the longest sequence (prompt + generated) one request may reach
+    is_encoder_decoder: bool
+    takes_images: bool
 
     def sequence_tokens_of_prompt(self, num_prompt_tokens: int) -> int:
         """How much of a sequence's max total tokens a prompt takes: all of it for a decoder; for an
         encoder-decoder model only the decoder's start token (the prompt is the encoder's input)."""
         return 1 if self.is_encoder_decoder else num_prompt_tokens
 
-    # ---- the checks, each on its own (the server calls some at its edge) ---------------------------
-
     def check_prompt(self, num_prompt_tokens: int) -> None:
         if not num_prompt_tokens:
             raise PromptEmpty("the prompt is empty")
-        if num_prompt_tokens > self.config.max_input_length:
-            raise PromptTooLong(num_prompt_tokens, self.config.max_input_length)
+        if num_prompt_tokens > self.max_input_length:
+            raise PromptTooLong(num_prompt_tokens, self.max_input_length)
 
     def check_sequence(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
         in_sequence = self.sequence_tokens_of_prompt(num_prompt_tokens)
@@ -148,6 +135,29 @@ class InputProcessor:
         self.check_takes_images()
         if not images.positions or images.positions[-1] >= len(prompt_ids) or images.num_images == 0:
             raise ImagesWithoutPlaceholders()
+
+
+class InputProcessor:
+    def __init__(
+        self, model_config: ModelConfig, config: EngineConfig, scheduler: Scheduler, *, limits: InputLimits,
+        states_per_tile: int | None, lora_modules: Collection[str], grammars: GrammarCache,
+    ) -> None:
+        self.model_config, self.config, self.scheduler, self.limits = model_config, config, scheduler, limits
+        self.states_per_tile, self.lora_modules, self.grammars = states_per_tile, lora_modules, grammars
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.limits.is_encoder_decoder
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The token that stands for an image in a prompt (None: the model takes no images)."""
+        config = self.model_config
+        if config.mllama is not None:
+            return config.mllama.image_token_id
+        return config.vision.image_token_id if config.vision is not None else None
+
+    # ---- the checks that need more than the limits -----------------------------------------------------
 
     def check_adapter(self, adapter: LoraAdapter) -> None:
         unknown = set(adapter.modules) - set(self.lora_modules)
@@ -186,11 +196,11 @@ class InputProcessor:
         if not prompt_ids:
             raise PromptEmpty("the prompt is empty")
         if images is not None:
-            self.check_images(prompt_ids, images)
+            self.limits.check_images(prompt_ids, images)
         elif self.image_token_id is not None and self.image_token_id in prompt_ids:
             raise RequestRefused("the prompt has image tokens but no images came with it")
         num_prompt_tokens = len(prompt_ids)
-        self.check_prompt(num_prompt_tokens)
+        self.limits.check_prompt(num_prompt_tokens)
         # Before `images` is replaced below (a copy would hash the pixels again on this thread).
         image_digest = images.digest if images is not None and self.config.prefix_caching else b""
         encoder_ids, num_states = None, 0
@@ -205,7 +215,7 @@ class InputProcessor:
             num_states = images.layout.num_states
         if num_states:
             self._check_states_fit(num_states, len(prompt_ids), params)
-        self.check_sequence(num_prompt_tokens, params.max_new_tokens)
+        self.limits.check_sequence(num_prompt_tokens, params.max_new_tokens)
         grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         if adapter is not None:
             self.check_adapter(adapter)

@@ -11,7 +11,7 @@ from fastapi.responses import PlainTextResponse, Response
 from loraplex import __version__
 from loraplex.config import ServerConfig
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.engine import Engine
+from loraplex.engine.stats import AdapterTargets
 from loraplex.lora.store import AdapterStore
 from loraplex.protocol.openai import checked_sampling_defaults
 from loraplex.server import native, openai_routes, playground
@@ -45,13 +45,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         docs_url=None, redoc_url=None,  # served below from local files: no CDN, works offline
     )
     config = config or ServerConfig()
-    core = engine.engine
-    state = ServerState(engine, config, Metrics(core), adapter_store(core, config),
-                        validation=Validation(config.validation_workers, core.config.max_input_length,
-                                              core.tokenizer.longest_token_chars))
+    model = engine.model
+    validation = Validation(config.validation_workers, model.max_input_length, model.tokenizer.longest_token_chars)
+    state = ServerState(engine, config, Metrics(model.model_id, engine.stats),
+                        adapter_store(model.adapter_targets, config), validation=validation)
     state.metrics.watch_admission(state.admission)
     if config.generation_config == "auto":
-        state.sampling_defaults = generation_config_defaults(core.model_config.sampling_defaults)
+        state.sampling_defaults = generation_config_defaults(model.sampling_defaults)
     app.state.loraplex = state
     if config.api_keys:
         app.add_middleware(ApiKeys, keys=config.api_keys)
@@ -75,9 +75,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     return app
 
 
-def adapter_store(engine: Engine, config: ServerConfig) -> AdapterStore:
+def adapter_store(targets: AdapterTargets, config: ServerConfig) -> AdapterStore:
     """The store for the server's adapters, with `--preloaded-adapter-ids` loaded (a failure stops the start)."""
-    targets = engine.adapter_targets()
     store = AdapterStore(
         targets.base_shapes, targets.max_rank, config.adapter_roots, config.adapter_source,
         config.max_cpu_adapters, base_weight=targets.base_weight,

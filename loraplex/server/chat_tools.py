@@ -25,7 +25,7 @@ def chat_prompt(state: ServerState, messages: list[dict[str, Any]], plan: ToolPl
     tools, else in the default rendering (protocol/tools/prompt.py). A vision model's processor template
     (the one that places images) always gets the default rendering."""
     offered = [t.model_dump(exclude_none=True) for t in plan.offered] or None
-    processor = state.core.processor
+    processor = state.model.processor
     if processor is not None and getattr(processor, "chat_template", None):
         return processor.apply_chat_template(
             default_rendering(messages, offered), add_generation_prompt=True, tokenize=False
@@ -50,7 +50,7 @@ class ToolAnswers:
 
     @classmethod
     def of(cls, state: ServerState, plan: ToolPlan) -> ToolAnswers:
-        native = state.core.processor is None and state.tokenizer.renders_tools
+        native = state.model.processor is None and state.tokenizer.renders_tools
         return cls(plan, native and writes_json_calls(state.tokenizer.hf.chat_template))
 
     def message(self, text: str, reason: FinishReason | None) -> tuple[AssistantMessage, FinishReasonName]:

@@ -16,13 +16,13 @@ from loraplex.server.state import ServerState
 
 def image_placeholder(state: ServerState) -> str:
     """The text that stands for one image in a prompt (LLaVA: "<image>")."""
-    return state.core.processor.image_token if state.core.takes_images else "<image>"
+    return state.model.processor.image_token if state.model.takes_images else "<image>"
 
 
 def check_takes_images(state: ServerState, param: str) -> None:
     """A request with images for a model that takes none is refused, naming the field they came in."""
     try:
-        state.core.inputs.check_takes_images()
+        state.model.limits.check_takes_images()
     except RequestRefused as refused:
         raise BadRequest(str(refused), param) from None
 
@@ -38,7 +38,7 @@ async def encode_prompt(
         return await state.validation.run(state.tokenizer.encode, prompt, add_special_tokens=add_special_tokens), None
     check_takes_images(state, param)
     images = await load_images(urls, state.config.media)
-    processor = state.core.processor
+    processor = state.model.processor
     started = time.perf_counter()
     try:
         out = await state.validation.run(
@@ -51,7 +51,7 @@ async def encode_prompt(
     token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     inputs = ImageInputs.from_processor(out, [(image.height, image.width) for image in images], token_id)
     try:
-        state.core.inputs.check_images(ids, inputs)
+        state.model.limits.check_images(ids, inputs)
     except ImagesWithoutPlaceholders:
         raise BadRequest("the prompt has no place for its images (the chat template dropped them)", param) from None
     await state.validation.run(lambda: inputs.digest)  # hashed here, not on the engine thread (prefix caching)

@@ -12,7 +12,7 @@ def check_prompt_and_budget(
     state: ServerState, prompt_ids: list[int], max_new_tokens: int, prompt_field: str, max_new_field: str
 ) -> None:
     try:
-        state.core.inputs.check_lengths(len(prompt_ids), max_new_tokens)
+        state.model.limits.check_lengths(len(prompt_ids), max_new_tokens)
     except PromptEmpty:
         raise BadRequest(f"{prompt_field} must not be empty (it has no tokens)", prompt_field) from None
     except PromptTooLong as refused:

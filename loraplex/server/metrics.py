@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -19,7 +20,6 @@ from loraplex.params import FinishReason
 from loraplex.server import request_log
 
 if TYPE_CHECKING:
-    from loraplex.engine.engine import Engine
     from loraplex.engine.output import RequestOutput
     from loraplex.engine.stats import EngineStats
     from loraplex.server.admission import Admission
@@ -43,7 +43,8 @@ OTHER_ADAPTERS = "other"
 
 
 class Metrics:
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, model_name: str, stats: "Callable[[], EngineStats]") -> None:
+        """`stats`: the engine's snapshot, read at each scrape (AsyncEngine.stats)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         # LoRAX's counters live apart: exposition() writes them as counters under their bare names.
@@ -74,9 +75,9 @@ class Metrics:
             "loraplex_image_processing_seconds", "Seconds the processor took per request's images (resize, tile)",
             buckets=DURATION_BUCKETS, registry=r,
         )
-        self.vllm = _VllmRequestMetrics(r, engine.model_id)
+        self.vllm = _VllmRequestMetrics(r, model_name)
         self._adapter_labels: set[str] = {BASE_ADAPTER}
-        r.register(_EngineGauges(engine))
+        r.register(_EngineGauges(stats))
 
     def _label(self, adapter: str) -> str:
         """The adapter as the client named it (the request's record; else the store's key), with bounded
@@ -175,11 +176,11 @@ class _VllmRequestMetrics:
 class _EngineGauges:
     """Scrape-time reads of the engine's queues, KV cache and counters, from its stats snapshot."""
 
-    def __init__(self, engine: "Engine") -> None:
-        self.engine = engine
+    def __init__(self, stats: "Callable[[], EngineStats]") -> None:
+        self.stats = stats
 
     def collect(self):
-        stats = self.engine.stats()
+        stats = self.stats()
         yield _gauge("lorax_queue_length", "Requests waiting", stats.num_waiting)
         yield _gauge("lorax_batch_current_size", "Requests in the running batch", stats.num_running)
         yield _gauge("vllm:num_requests_waiting", "Requests waiting", stats.num_waiting)

@@ -118,7 +118,7 @@ def headers(state: ServerState, prepared: Prepared, final: RequestOutput, starte
     per_token = inference / max(1, final.num_generated_tokens)
     ms = lambda seconds: str(int(seconds * 1000))  # noqa: E731
     return {
-        "x-compute-type": state.core.device.type,
+        "x-compute-type": state.model.device_type,
         "x-compute-time": ms(total),
         "x-compute-characters": str(prepared.input_characters),
         "x-total-time": ms(total),
@@ -169,7 +169,7 @@ async def generate_json(state: ServerState, body: GenerateRequest) -> JSONRespon
             finish_reason=final.finish_reason.value, prompt_tokens=final.num_prompt_tokens,
             generated_tokens=final.num_generated_tokens, seed=sampled_seed(prepared.params, final.seed),
             prefill=prefill, tokens=[Token.of(t) for t in best.tokens], best_of_sequences=others or None,
-            prefill_note=ENCODER_PREFILL_NOTE if asked_prefill and state.core.is_encoder_decoder else None,
+            prefill_note=ENCODER_PREFILL_NOTE if asked_prefill and state.model.is_encoder_decoder else None,
         )
     response = GenerateResponse(generated_text=prepared.prefix + final.generated_text, details=details)
     return JSONResponse(_prune(response.model_dump()), headers=headers(state, prepared, final, started))
@@ -288,7 +288,7 @@ async def health(request: Request):
         return native_error(503, f"unhealthy: the engine stopped ({state.engine.died!r})", "unhealthy")
     if state.engine.stepped_within(HEALTH_RECENT_STEP_S):  # busy and working: a probe would only queue behind
         return JSONResponse({}, status_code=200)
-    probe = [state.core.model_config.bos_token_id or 0]
+    probe = [state.model.bos_token_id or 0]
     try:  # healthy means a forward pass works right now (straight to the engine: no slot, no metrics)
         async for _ in state.engine.generate(probe, SamplingParams(max_new_tokens=1)):
             pass
@@ -306,33 +306,33 @@ async def ping(request: Request):
 @router.get("/info")
 async def info(request: Request):
     state = get_state(request)
-    core = state.core
+    model, settings = state.model, state.model.settings
     return {
-        "model_id": core.model_id,
-        "model_dtype": str(core.dtype).removeprefix("torch."),
-        "model_device_type": core.device.type,
+        "model_id": model.model_id,
+        "model_dtype": model.dtype,
+        "model_device_type": model.device_type,
         "max_concurrent_requests": state.config.max_concurrent_requests,
         "max_queued_tokens": state.config.max_queued_tokens,  # null: off
         "max_best_of": state.config.max_best_of,
         "max_stop_sequences": state.config.max_stop_sequences,
-        "max_input_length": core.config.max_input_length,
-        "max_total_tokens": core.max_total_tokens,
-        "max_batch_total_tokens": core.kv_capacity_tokens,
-        "max_batch_prefill_tokens": core.config.max_batch_prefill_tokens,
-        "block_size": core.config.block_size,
-        "kv_cache_dtype": str(core.kv_cache_dtype).removeprefix("torch."),  # float8_e4m3fn under --kv-cache-dtype fp8
-        "input_modalities": ["text", "image"] if core.takes_images else ["text"],
-        "model_type": core.model_config.model_type,
-        "quantize": core.config.quantize,
-        "speculate": core.config.speculative_tokens,  # LoRAX's and TGI's name for the drafts per step
-        "prefix_caching": core.config.prefix_caching,
-        "is_encoder_decoder": core.is_encoder_decoder,
+        "max_input_length": model.max_input_length,
+        "max_total_tokens": model.max_total_tokens,
+        "max_batch_total_tokens": model.kv_capacity_tokens,
+        "max_batch_prefill_tokens": settings.max_batch_prefill_tokens,
+        "block_size": settings.block_size,
+        "kv_cache_dtype": model.kv_cache_dtype,  # float8_e4m3fn under --kv-cache-dtype fp8
+        "input_modalities": ["text", "image"] if model.takes_images else ["text"],
+        "model_type": model.model_type,
+        "quantize": settings.quantize,
+        "speculate": settings.speculative_tokens,  # LoRAX's and TGI's name for the drafts per step
+        "prefix_caching": settings.prefix_caching,
+        "is_encoder_decoder": model.is_encoder_decoder,
         "version": __version__,
         # LoRAX's fields that its clients read: what we know, else its defaults or null (not a build from git).
-        "model_sha": core.config.revision,
+        "model_sha": settings.revision,
         "model_pipeline_tag": "text-generation",
-        "max_waiting_tokens": core.config.max_waiting_tokens,
-        "waiting_served_ratio": core.config.waiting_served_ratio,
+        "max_waiting_tokens": settings.max_waiting_tokens,
+        "waiting_served_ratio": settings.waiting_served_ratio,
         "validation_workers": state.config.validation_workers,
         "sha": None,
         "docker_label": os.environ.get("DOCKER_LABEL"),

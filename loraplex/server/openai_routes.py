@@ -99,7 +99,7 @@ async def resolve_model(state: ServerState, body: SamplingFields) -> Served:
 
 def model_card(state: ServerState, model_id: str) -> ModelCard:
     parent = None if model_id == state.model_id else state.model_id
-    modalities = ["text", "image"] if state.core.takes_images else ["text"]
+    modalities = ["text", "image"] if state.model.takes_images else ["text"]
     return ModelCard(id=model_id, created=int(state.started_at), root=state.model_id, parent=parent,
                      input_modalities=modalities)
 
@@ -169,7 +169,7 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> lis
     if runs > max(n, state.config.max_best_of):
         raise BadRequest(f"best_of > n must be <= {state.config.max_best_of} (max best of); got {runs}", "best_of")
     wants_prompt_logprobs = bool(body.echo) and body.logprobs is not None
-    if wants_prompt_logprobs and state.core.is_encoder_decoder:
+    if wants_prompt_logprobs and state.model.is_encoder_decoder:
         raise BadRequest(
             "echo with logprobs asks for the prompt's logprobs, which an encoder-decoder model does not define "
             "(its prompt is encoded, not predicted); drop echo or logprobs", "echo",
@@ -213,7 +213,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
     except Exception as exc:  # no template, or the template refused these messages
         raise BadRequest(f"messages cannot be turned into a prompt: {exc}", "messages") from exc
     ids, images = await encode_prompt(state, prompt, urls, False, "messages")
-    room = state.core.max_total_tokens - state.core.inputs.sequence_tokens_of_prompt(len(ids))
+    room = state.model.max_total_tokens - state.model.limits.sequence_tokens_of_prompt(len(ids))
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(state, max(1, room))
     check_prompt_and_budget(state, ids, max_tokens, "messages", "max_tokens")
     top_n = (body.top_logprobs or 0) if body.logprobs else 0

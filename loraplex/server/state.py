@@ -18,8 +18,8 @@ from fastapi import Request
 
 from loraplex.config import ServerConfig
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.engine import Engine
 from loraplex.engine.output import RequestOutput
+from loraplex.engine.served_model import ServedModel
 from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.lora.store import AdapterStore, MergeSpec
@@ -62,16 +62,17 @@ class ServerState:
     shutting_down: ShutdownSignal = field(default_factory=ShutdownSignal)
 
     @property
-    def core(self) -> Engine:
-        return self.engine.engine
+    def model(self) -> ServedModel:
+        """The served model's description: what the server knows of the engine besides its stats."""
+        return self.engine.model
 
     @property
     def tokenizer(self):
-        return self.core.tokenizer
+        return self.engine.model.tokenizer
 
     @property
     def model_id(self) -> str:
-        return self.core.model_id
+        return self.engine.model.model_id
 
     @property
     def in_flight(self) -> int:

@@ -186,7 +186,7 @@ def test_streams_every_kept_token_in_order_and_counts_in_metrics(make_engine, em
     assert "".join(o.token.text for o in outs) == want.generated_text
     drafted, accepted = engine.spec_decode.draft_tokens, engine.spec_decode.accepted_tokens
     assert 0 < accepted <= drafted
-    metrics = Metrics(engine).exposition().decode()
+    metrics = Metrics(engine.model_id, engine.stats).exposition().decode()
     for name, value in [("loraplex_spec_decode_draft_tokens_total", drafted),
                         ("loraplex_spec_decode_accepted_tokens_total", accepted),
                         ("vllm:spec_decode_num_draft_tokens_total", drafted),

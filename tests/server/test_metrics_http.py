@@ -124,7 +124,8 @@ def test_adapter_label_is_the_id_the_client_named(make_app):
 
 def test_adapter_labels_stay_bounded(make_engine, monkeypatch):
     monkeypatch.setattr(metrics_module, "MAX_ADAPTER_LABELS", 3)  # "base" and two adapters
-    metrics = Metrics(make_engine())
+    engine = make_engine()
+    metrics = Metrics(engine.model_id, engine.stats)
     for adapter in ("a", "b", "c", "d", "a"):
         metrics.on_request(1, adapter)
     families = {f.name: f for f in text_string_to_metric_families(metrics.exposition().decode())}

@@ -34,7 +34,8 @@ def app(make_engine):
     hub.publish("org/public", SHIPPED / "name-lyra")
     state = app.state.loraplex
     state.adapters.close()
-    state.adapters = AdapterStore(engine.engine.lora.base_shapes, engine.engine.config.max_lora_rank,
+    targets = engine.model.adapter_targets
+    state.adapters = AdapterStore(targets.base_shapes, targets.max_rank,
                                   default_source="hub", hub=hub)
     yield app
     state.adapters.close()
