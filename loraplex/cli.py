@@ -9,9 +9,10 @@ import os
 import socket
 import sys
 
-from loraplex.config import KV_CACHE_DTYPES, EngineConfig, ServerConfig
+from loraplex.config import EngineConfig, ServerConfig
 from loraplex.multimodal.config import MediaConfig
 from loraplex.quantization import QUANTIZE_CHOICES, QuantizationError
+from loraplex.settings import _positive_float, _truthy, add_arguments, from_namespace
 
 
 _ENV_NAMES: set[str] = set()  # the environment variables flags read (listed by --help)
@@ -39,16 +40,12 @@ def _describe_defaults(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:
         if not action.option_strings or action.dest in ("help", "version") or "%(default)" in (action.help or ""):
             continue
-        env = _ENV_OF.get(action.dest, action.dest.upper())
+        env = getattr(action, "env", None) or _ENV_OF.get(action.dest, action.dest.upper())
         notes = [] if action.default in (None, False) else ["default: %(default)s"]
         if env in _ENV_NAMES:
             notes.append(f"env {env}")
         if notes:
             action.help = f"{action.help} ({'; '.join(notes)})" if action.help else f"({'; '.join(notes)})"
-
-
-def _truthy(value: str) -> bool:
-    return value.lower() in ("1", "true", "yes", "on")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,100 +54,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _positive(value: str) -> int:
-    """Sizes and limits that 0 would make useless (a prefill budget of 0 would never start a request)."""
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
-    return number
-
-
-def _non_negative(value: str) -> int:
-    number = int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
-    return number
-
-
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-id", default=_env("MODEL_ID"), help="HF directory, cached repo id or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default=_env("DTYPE"), choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=_env("DEVICE"), help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--max-input-length", type=_positive, default=_env("MAX_INPUT_LENGTH", 4095, int))
-    p.add_argument("--max-total-tokens", type=_positive, default=_env("MAX_TOTAL_TOKENS", 4096, int))
-    p.add_argument("--max-batch-prefill-tokens", type=_positive, default=_env("MAX_BATCH_PREFILL_TOKENS", 4096, int))
-    p.add_argument("--max-batch-total-tokens", type=_positive, default=_env("MAX_BATCH_TOTAL_TOKENS", None, int),
-                   help="KV cache capacity in tokens (default: sized from free memory)")
-    p.add_argument("--max-active-adapters", type=_positive, default=_env("MAX_ACTIVE_ADAPTERS", 128, int),
-                   help="device slots for adapters: distinct adapters one step can run")
-    p.add_argument("--max-lora-rank", type=_positive, default=_env("MAX_LORA_RANK", 64, int))
-    p.add_argument("--adapter-cycle-time-s", type=float, default=_env("ADAPTER_CYCLE_TIME_S", 2.0, float),
-                   help="when more adapters wait than slots exist, how long one keeps its slot before yielding it")
-    p.add_argument("--chat-template", default=_env("CHAT_TEMPLATE"),
-                   help="a Jinja chat template file (for checkpoints that ship none, e.g. MPT)")
-    p.add_argument("--quantize", default=_env("QUANTIZE"), choices=QUANTIZE_CHOICES,
-                   help="quantize a float checkpoint's linears as it loads: bitsandbytes int8 (LLM.int8), nf4 or fp4, "
-                        "or fp8 (e4m3, CUDA compute capability 8.9+); pre-quantized GPTQ, AWQ, FP8 and "
-                        "compressed-tensors checkpoints load as published without it (LoRA adapters run on top in "
-                        "the model's dtype)")
-    p.add_argument("--kv-cache-dtype", default=_env("KV_CACHE_DTYPE", "auto"), choices=KV_CACHE_DTYPES,
-                   help="what the paged KV cache stores: auto (the model's dtype) or fp8 (e4m3 with per-layer scales: "
-                        "half the bytes of bfloat16, twice the tokens; CPU, or CUDA compute capability 8.9+)")
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=_env("PREFIX_CACHING", True, _truthy),
-                   help="share computed KV blocks between requests with the same prompt prefix, adapter and images "
-                        "(on by default; outputs are unchanged)")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=_env("CUDA_GRAPHS", True, _truthy),
-                   help="on CUDA, replay decode steps as CUDA graphs (on by default; --no-cuda-graphs runs every "
-                        "step eagerly; no effect on CPU)")
-    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=_env("WARM_UP", None, _truthy),
-                   help="before serving, run made-up requests that compile the kernels and capture the decode graphs, "
-                        "so the first requests do not wait for them (default: on CUDA only)")
-    p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=_env("OVERLAP_STEPS", None, _truthy),
-                   help="launch each decode step before the host has read the last one's tokens (default: on with "
-                        "CUDA graphs; outputs unchanged)")
-    # LoRAX's batching knobs (engine/joins.py): they act where decode steps replay CUDA graphs.
-    p.add_argument("--max-waiting-tokens", type=_non_negative, default=_env("MAX_WAITING_TOKENS", 20, _non_negative),
-                   help="with CUDA graphs: decode steps a waiting request may wait before it joins the running ones "
-                        "(0: it joins at every step)")
-    p.add_argument("--waiting-served-ratio", type=_positive_float, default=_env("WAITING_SERVED_RATIO", 1.2, _positive_float),
-                   help="with CUDA graphs: waiting requests join at once when they number at least this many times "
-                        "the running ones")
-    p.add_argument("--speculative-tokens", type=_non_negative, default=_env("SPECULATIVE_TOKENS", 0, _non_negative),
-                   help="speculative decoding: up to N tokens per step guessed from each request's own text "
-                        "(n-gram lookup) and verified by the model; outputs unchanged (default 0: off)")
-    p.add_argument("--max-grammar-bytes", type=int, default=_env("MAX_GRAMMAR_BYTES", 64 * 1024, int),
-                   help="structured output: the largest JSON schema / regex / choice list a request may send")
-    p.add_argument("--grammar-compile-timeout-s", type=float, default=_env("GRAMMAR_COMPILE_TIMEOUT_S", 10.0, float),
-                   help="structured output: a grammar that takes longer to compile is refused")
-    p.add_argument("--revision", default=_env("REVISION"), help="a hub model's branch, tag or commit (default: main)")
+    """EngineConfig's flags (its fields' declarations), two that are no setting, and ServerConfig's adapter flags."""
+    add_arguments(p, EngineConfig, _env, stop="cuda_memory_fraction", choices={"quantize": QUANTIZE_CHOICES})
     p.add_argument("--huggingface-hub-cache", default=_env("HUGGINGFACE_HUB_CACHE"),
                    help="the Hugging Face hub cache models and adapters are read from and downloaded to "
                         "(default: HF_HUB_CACHE, else HF_HOME/hub)")
     p.add_argument("--trust-remote-code", action="store_true", default=_env("TRUST_REMOTE_CODE", False, _truthy),
                    help="refused: loraplex runs its own implementation of each model family, never a checkpoint's code")
-    p.add_argument("--cuda-memory-fraction", type=_fraction, default=_env("CUDA_MEMORY_FRACTION", 1.0, _fraction),
-                   help="the share of the GPU's memory this server may use")
-    p.add_argument("--adapter-memory-fraction", type=_fraction, default=_env("ADAPTER_MEMORY_FRACTION", 0.1, _fraction),
-                   help="at most this share of the GPU's memory is kept out of the KV cache for adapter weights")
-    p.add_argument("--adapter-source", default=_env("ADAPTER_SOURCE", "hub"), choices=["hub", "local", "s3"],
-                   help="where adapter ids are looked up unless a request says otherwise")
-    p.add_argument("--adapter-root", action="append", default=_env("ADAPTER_ROOT", None, lambda v: v.split(",")),
-                   help="directory local adapters may be loaded from (repeatable; none: local adapters off)")
-
-
-def _positive_float(value: str) -> float:
-    number = float(value)
-    if not number > 0.0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return number
-
-
-def _fraction(value: str) -> float:
-    number = float(value)
-    if not 0.0 < number <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return number
+    add_arguments(p, EngineConfig, _env, start="cuda_memory_fraction")
+    add_arguments(p, ServerConfig, _env, stop="max_concurrent_requests")  # adapter_source, adapter_roots
 
 
 def _add_media_args(p: argparse.ArgumentParser) -> None:
@@ -246,33 +159,7 @@ def _to_stderr(message: str) -> None:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model_id=args.model_id,
-        dtype=args.dtype,
-        device=args.device,
-        max_input_length=args.max_input_length,
-        max_total_tokens=args.max_total_tokens,
-        max_batch_prefill_tokens=args.max_batch_prefill_tokens,
-        max_batch_total_tokens=args.max_batch_total_tokens,
-        max_active_adapters=args.max_active_adapters,
-        max_lora_rank=args.max_lora_rank,
-        adapter_cycle_time_s=args.adapter_cycle_time_s,
-        chat_template=args.chat_template,
-        quantize=args.quantize,
-        kv_cache_dtype=args.kv_cache_dtype,
-        prefix_caching=args.prefix_caching,
-        speculative_tokens=args.speculative_tokens,
-        cuda_graphs=args.cuda_graphs,
-        overlap_steps=args.overlap_steps,
-        revision=args.revision,
-        cuda_memory_fraction=args.cuda_memory_fraction,
-        adapter_memory_fraction=args.adapter_memory_fraction,
-        max_grammar_bytes=args.max_grammar_bytes,
-        grammar_compile_timeout_s=args.grammar_compile_timeout_s,
-        max_waiting_tokens=args.max_waiting_tokens,
-        waiting_served_ratio=args.waiting_served_ratio,
-        warm_up=args.warm_up,
-    )
+    return from_namespace(EngineConfig, args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -298,7 +185,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.adapter_id:
         from loraplex.server.app import adapter_store
 
-        store = adapter_store(engine.adapter_targets(), ServerConfig(adapter_source=args.adapter_source, adapter_roots=tuple(args.adapter_root or ())))
+        store = adapter_store(engine.adapter_targets(), from_namespace(ServerConfig, args))  # the adapter settings
         adapter = store.load(args.adapter_id)
     (result,) = engine.generate([prompt_ids], params, adapters=[adapter])
     print(result.generated_text)
@@ -327,26 +214,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = _bound_socket(args.hostname, args.port)
     # --json-output: every line on stderr is a JSON object, so progress goes through the logger, without bars.
     engine = _load_engine(args, show_progress=not args.json_output, log=logger.info if args.json_output else None)
-    server_config = ServerConfig(
-        max_concurrent_requests=args.max_concurrent_requests,
-        max_queued_tokens=args.max_queued_tokens,
-        max_stop_sequences=args.max_stop_sequences,
-        max_best_of=args.max_best_of,
-        json_output=args.json_output,
-        cors_allow_origin=tuple(args.cors_allow_origin or ()),
-        adapter_source=args.adapter_source,
-        adapter_roots=tuple(args.adapter_root or ()),
-        preloaded_adapter_ids=tuple(args.preloaded_adapter_ids or ()),
-        max_cpu_adapters=args.max_cpu_adapters,
-        adapter_access_ttl_s=args.adapter_access_ttl_s,
-        media=_media_config(args),
-        validation_workers=args.validation_workers,
-        default_max_tokens=args.default_max_tokens,
-        generation_config=args.generation_config,
-        request_timeout_s=args.request_timeout_s,
-        max_request_bytes=args.max_request_bytes,
-        api_keys=tuple(args.api_key or ()),
-    )
+    server_config = from_namespace(ServerConfig, args, media=_media_config(args))
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, server_config)
     freeze_start_up_heap()  # later full collections, which pause the engine thread, skip the model (heap.py)
@@ -388,49 +256,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.add_argument("--hostname", default=_env("HOSTNAME_BIND", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=_env("PORT", 8080, int))
-    serve.add_argument("--max-concurrent-requests", type=_positive, default=_env("MAX_CONCURRENT_REQUESTS", 128, int),
-                       help="requests in flight at once; more get 429 with a Retry-After header")
-    serve.add_argument("--max-queued-tokens", type=_positive, default=_env("MAX_QUEUED_TOKENS", None, _positive),
-                       help="prompt + max_new_tokens of the requests in flight (admitted, not finished: waiting, "
-                            "preempted or running); a request past it gets 429 with a Retry-After header, but one is "
-                            "always admitted when none is in flight (default: off; a few times the KV cache, /info's "
-                            "max_batch_total_tokens, bounds the queue's wait)")
-    serve.add_argument("--max-stop-sequences", type=int, default=_env("MAX_STOP_SEQUENCES", 4, int))
-    serve.add_argument("--max-best-of", type=int, default=_env("MAX_BEST_OF", 2, int))
-    serve.add_argument("--json-output", action="store_true", default=_env("JSON_OUTPUT", False, _truthy))
-    serve.add_argument("--default-max-tokens", type=_positive, default=_env("DEFAULT_MAX_TOKENS", None, _positive),
-                       help="cap what an OpenAI request without max_tokens generates (chat: up to the context "
-                            "limit otherwise; completions: 16)")
-    serve.add_argument("--generation-config", default=_env("GENERATION_CONFIG", "auto"), choices=["auto", "ignore"],
-                       help="auto: OpenAI requests take the model's generation_config.json temperature, top_p, top_k, "
-                            "min_p and repetition_penalty where they set none (as vLLM); ignore: they do not. The "
-                            "native API never takes them (as LoRAX)")
+    # ServerConfig's flags, with serve's two that are no setting where --help has always listed them.
+    add_arguments(serve, ServerConfig, _env, start="max_concurrent_requests", stop="request_timeout_s")
     serve.add_argument("--shutdown-timeout-s", type=_positive_float, default=_env("SHUTDOWN_TIMEOUT_S", 30.0, _positive_float),
                        help="after SIGTERM, how long requests in flight may go on; then each still running ends "
                             "with an error event (a stream) or a 503, and the server exits 0")
-    serve.add_argument("--request-timeout-s", type=float, default=_env("REQUEST_TIMEOUT_S", None, float),
-                       help="abort a request still running after this many seconds (504 when nothing was sent yet)")
-    serve.add_argument("--max-request-bytes", type=int, default=_env("MAX_REQUEST_BYTES", 32 * 1024 * 1024, int),
-                       help="refuse request bodies larger than this (413), before parsing them")
-    serve.add_argument("--api-key", action="append", default=_env("API_KEY", None, lambda v: v.split(",")),
-                       help="require this key (Authorization: Bearer KEY) on every route but /health and /ping (GET, HEAD) "
-                            "and OPTIONS (repeatable; the environment variable takes a comma-separated list)")
+    add_arguments(serve, ServerConfig, _env, start="request_timeout_s", stop="cors_allow_origin")
     serve.add_argument("--otlp-endpoint", default=_env("OTLP_ENDPOINT"),
                        help="send a trace span per request to this OpenTelemetry collector, over OTLP/HTTP "
                             "(e.g. http://collector:4318; needs the otlp extra)")
-    serve.add_argument("--cors-allow-origin", action="append", default=_env("CORS_ALLOW_ORIGIN", None, lambda v: v.split(",")),
-                       help="answer browsers from this origin (repeatable): preflights and every response, 401s "
-                            "included, carry the CORS headers")
-    serve.add_argument("--preloaded-adapter-ids", nargs="+", default=_env("PRELOADED_ADAPTER_IDS", None, lambda v: v.split(",")),
-                       help="adapters (of --adapter-source) loaded at start and listed by /v1/models")
-    serve.add_argument("--max-cpu-adapters", type=int, default=_env("MAX_CPU_ADAPTERS", 64, int),
-                       help="loaded adapters kept in host memory besides the preloaded ones (LRU)")
-    serve.add_argument("--adapter-access-ttl-s", type=float, default=_env("ADAPTER_ACCESS_TTL_S", 30.0, float),
-                       help="how long the hub's answer on whether a request's api_token may read a hub adapter "
-                            "is reused for requests with the same token (0: every request asks the hub)")
-    serve.add_argument("--validation-workers", type=_positive, default=_env("VALIDATION_WORKERS", 2, _positive),
-                       help="threads that tokenize prompts, render chat templates and build /tokenize's answers, "
-                            "off the event loop")
+    add_arguments(serve, ServerConfig, _env, start="cors_allow_origin")
     _add_media_args(serve)
     serve.set_defaults(func=cmd_serve)
 

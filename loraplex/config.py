@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loraplex.multimodal.config import MediaConfig
+from loraplex.settings import _fraction, _non_negative, _positive, _positive_float, setting
 
 KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype (layers/kv_quant.py)
 
@@ -231,98 +232,168 @@ class ModelConfig:
     moe: MoeSettings | None = None  # Mixtral, Qwen2-MoE: sparse expert layers
 
 
+# EngineConfig's and ServerConfig's settings are declared once, here: `setting` gives each its flag (the name's, or
+# `flag`), help text, environment variable (the flag's name in capitals, LoRAX's) and parser; cli.py builds the
+# command line from them, in declaration order (the order of --help).
 @dataclass(frozen=True)
 class EngineConfig:
-    model_id: str | None = None  # None: the embedded default model
-    revision: str | None = None  # of a hub model: branch, tag or commit (None: main)
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
-    device: str | None = None  # None: cuda when available, else cpu
-    block_size: int = 16
-    max_batch_prefill_tokens: int = 4096  # prompt tokens computed per step
-    max_batch_total_tokens: int | None = None  # KV cache capacity in tokens; None: sized from memory
-    max_num_seqs: int = 256  # requests running at once
-    max_input_length: int = 4095
-    max_total_tokens: int = 4096
+    model_id: str | None = setting(
+        help="HF directory, cached repo id or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    dtype: str | None = setting(choices=("float32", "bfloat16", "float16"))  # None: float32 on CPU, bfloat16 on CUDA
+    device: str | None = setting(help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    max_input_length: int = setting(4095, type=_positive)
+    max_total_tokens: int = setting(4096, type=_positive)
+    max_batch_prefill_tokens: int = setting(4096, type=_positive)  # prompt tokens computed per step
+    max_batch_total_tokens: int | None = setting(
+        type=_positive, help="KV cache capacity in tokens (default: sized from free memory)")
     # Of free device memory (default 0.85 on CUDA; on CPU 0.1 of available RAM, at most 2 GiB), when
     # max_batch_total_tokens is None.
     kv_cache_memory_fraction: float | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256  # requests running at once
     # LoRA: device slots (distinct adapters one step can run), the largest rank served, and how long an
     # adapter keeps its slot before yielding it to waiting adapters when there are more than slots.
-    max_active_adapters: int = 128
-    max_lora_rank: int = 64
-    adapter_cycle_time_s: float = 2.0
-    chat_template: str | None = None  # a Jinja chat template file, for checkpoints that ship none (or to override)
-    quantize: str | None = None  # bitsandbytes | bitsandbytes-nf4 | bitsandbytes-fp4 (LoRAX's --quantize)
-    # Share computed KV blocks between requests with the same prefix, adapter and images (exact: a hit holds
-    # the keys and values the request would compute itself).
-    prefix_caching: bool = True
+    max_active_adapters: int = setting(128, type=_positive,
+                                       help="device slots for adapters: distinct adapters one step can run")
+    max_lora_rank: int = setting(64, type=_positive)
+    adapter_cycle_time_s: float = setting(2.0, type=float, help="when more adapters wait than slots exist, how long "
+                                                                "one keeps its slot before yielding it")
+    chat_template: str | None = setting(help="a Jinja chat template file (for checkpoints that ship none, e.g. MPT)")
+    # LoRAX's --quantize; its choices are quantization's QUANTIZE_CHOICES, which cli.py supplies (config.py
+    # imports nothing from quantization).
+    quantize: str | None = setting(
+        help="quantize a float checkpoint's linears as it loads: bitsandbytes int8 (LLM.int8), nf4 or fp4, or fp8 "
+             "(e4m3, CUDA compute capability 8.9+); pre-quantized GPTQ, AWQ, FP8 and compressed-tensors checkpoints "
+             "load as published without it (LoRA adapters run on top in the model's dtype)")
     # What the paged KV cache stores: "auto" the model's dtype; "fp8" float8 e4m3, half the bytes of bfloat16 per
     # token (twice the tokens), scaled per layer and KV head (layers/kv_quant.py). LoRAX's fp8-kv, vLLM's name.
-    kv_cache_dtype: str = "auto"
-    # Speculative decoding (LoRAX's --speculative-tokens): up to this many tokens guessed per request and step
-    # by n-gram lookup in its own tokens, verified by the model in one step; outputs unchanged. 0: off.
-    speculative_tokens: int = 0
-    # Structured output: the largest grammar text (a JSON schema, regex or choice list) and the longest
-    # compile a request may ask for.
-    max_grammar_bytes: int = 64 * 1024
-    grammar_compile_timeout_s: float = 10.0
+    kv_cache_dtype: str = setting(
+        "auto", choices=KV_CACHE_DTYPES,
+        help="what the paged KV cache stores: auto (the model's dtype) or fp8 (e4m3 with per-layer scales: half the "
+             "bytes of bfloat16, twice the tokens; CPU, or CUDA compute capability 8.9+)")
+    # Share computed KV blocks between requests with the same prefix, adapter and images (exact: a hit holds
+    # the keys and values the request would compute itself).
+    prefix_caching: bool = setting(
+        True, action="negatable",
+        help="share computed KV blocks between requests with the same prompt prefix, adapter and images (on by "
+             "default; outputs are unchanged)")
     # CUDA (with Triton): decode steps of up to max_num_seqs (at most 256) requests replay CUDA graphs
     # (engine/decode_graphs.py). Off: every step runs eagerly (vLLM's --enforce-eager). No effect on CPU.
-    cuda_graphs: bool = True
+    cuda_graphs: bool = setting(
+        True, action="negatable",
+        help="on CUDA, replay decode steps as CUDA graphs (on by default; --no-cuda-graphs runs every step eagerly; "
+             "no effect on CPU)")
+    # Before the first request, made-up requests compile the kernels and capture the decode graphs
+    # (engine/warm_up.py). None: on CUDA only (a CPU has nothing to compile or capture).
+    warm_up: bool | None = setting(
+        action="negatable",
+        help="before serving, run made-up requests that compile the kernels and capture the decode graphs, so the "
+             "first requests do not wait for them (default: on CUDA only)")
     # Overlapped decode steps (engine/overlap.py): the next step is launched before the host reads the last one's
     # tokens, so the host's work runs while the GPU computes. None: where decode steps run as CUDA graphs and
     # speculative decoding is off. True on a CPU runs the same bookkeeping with eager steps (no gain; for tests).
-    overlap_steps: bool | None = None
+    overlap_steps: bool | None = setting(
+        action="negatable",
+        help="launch each decode step before the host has read the last one's tokens (default: on with CUDA graphs; "
+             "outputs unchanged)")
     # Where decode steps replay CUDA graphs, waiting requests join running ones only after this many steps
     # without a join, or once the queue is `waiting_served_ratio` times the running requests, or when a step
     # runs eagerly anyway (engine/joins.py; LoRAX's --max-waiting-tokens and --waiting-served-ratio). Elsewhere
     # they join at every step. 0: at every step.
-    max_waiting_tokens: int = 20
-    waiting_served_ratio: float = 1.2
-    # Before the first request, made-up requests compile the kernels and capture the decode graphs
-    # (engine/warm_up.py). None: on CUDA only (a CPU has nothing to compile or capture).
-    warm_up: bool | None = None
+    max_waiting_tokens: int = setting(
+        20, type=_non_negative,
+        help="with CUDA graphs: decode steps a waiting request may wait before it joins the running ones (0: it "
+             "joins at every step)")
+    waiting_served_ratio: float = setting(
+        1.2, type=_positive_float,
+        help="with CUDA graphs: waiting requests join at once when they number at least this many times the "
+             "running ones")
+    # Speculative decoding (LoRAX's --speculative-tokens): up to this many tokens guessed per request and step
+    # by n-gram lookup in its own tokens, verified by the model in one step; outputs unchanged. 0: off.
+    speculative_tokens: int = setting(
+        0, type=_non_negative,
+        help="speculative decoding: up to N tokens per step guessed from each request's own text (n-gram lookup) "
+             "and verified by the model; outputs unchanged (default 0: off)")
+    # Structured output: the largest grammar text (a JSON schema, regex or choice list) and the longest
+    # compile a request may ask for.
+    max_grammar_bytes: int = setting(
+        64 * 1024, type=int,
+        help="structured output: the largest JSON schema / regex / choice list a request may send")
+    grammar_compile_timeout_s: float = setting(
+        10.0, type=float, help="structured output: a grammar that takes longer to compile is refused")
+    revision: str | None = setting(help="a hub model's branch, tag or commit (default: main)")
     # CUDA memory: the fraction of the device this process may use (LoRAX's --cuda-memory-fraction), and the
     # fraction at most kept out of the KV cache for adapter weights (LoRAX's --adapter-memory-fraction).
-    cuda_memory_fraction: float = 1.0
-    adapter_memory_fraction: float = 0.1
+    cuda_memory_fraction: float = setting(1.0, type=_fraction,
+                                          help="the share of the GPU's memory this server may use")
+    adapter_memory_fraction: float = setting(
+        0.1, type=_fraction,
+        help="at most this share of the GPU's memory is kept out of the KV cache for adapter weights")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """HTTP-edge limits and options (LoRAX's flag names and defaults where they apply)."""
 
-    max_concurrent_requests: int = 128
+    # Adapters: the default source, the directories local adapters must live in (none: local loading off), adapters
+    # loaded at start, and how many loaded adapters the CPU cache keeps. The first two are `generate`'s flags too.
+    adapter_source: str = setting("hub", choices=("hub", "local", "s3"),
+                                  help="where adapter ids are looked up unless a request says otherwise")
+    adapter_roots: tuple[str, ...] = setting(
+        (), flag="--adapter-root", action="append",
+        help="directory local adapters may be loaded from (repeatable; none: local adapters off)")
+    max_concurrent_requests: int = setting(
+        128, type=_positive, help="requests in flight at once; more get 429 with a Retry-After header")
     # Admission limit on queued work: prompt + max_new_tokens of the requests in flight (admitted, not finished:
     # waiting, preempted or running). A request past it gets 429 + Retry-After; one is always admitted when
     # nothing is in flight. None: off (the concurrency limit and the engine's queue alone).
-    max_queued_tokens: int | None = None
-    max_stop_sequences: int = 4
-    max_best_of: int = 2
+    max_queued_tokens: int | None = setting(
+        type=_positive,
+        help="prompt + max_new_tokens of the requests in flight (admitted, not finished: waiting, preempted or "
+             "running); a request past it gets 429 with a Retry-After header, but one is always admitted when none "
+             "is in flight (default: off; a few times the KV cache, /info's max_batch_total_tokens, bounds the "
+             "queue's wait)")
+    max_stop_sequences: int = setting(4, type=int)
+    max_best_of: int = setting(2, type=int)
+    json_output: bool = setting(False, action="store_true")
     default_max_new_tokens: int = 20  # when a request names none
     # OpenAI requests without max_tokens: chat generates up to the context limit, completions 16 tokens (OpenAI's
-    # defaults); this caps both when set (`--default-max-tokens`; off, as in vLLM).
-    default_max_tokens: int | None = None
-    # "auto": the model's generation_config.json sampling values (temperature, top_p, top_k, min_p,
-    # repetition_penalty) are the OpenAI routes' defaults where a request sets none (vLLM's default); "ignore": they
-    # are not. The native API never takes them (LoRAX's behaviour).
-    generation_config: str = "auto"
-    request_timeout_s: float | None = None  # a request still running after this long is aborted (504 if unanswered)
-    api_keys: tuple[str, ...] = ()  # when set, every route but /health needs `Authorization: Bearer KEY`
-    # Request bodies larger than this are refused (413) before they are parsed (TGI's --payload-limit). Images
-    # sent as data URLs count: raise it for many large ones.
-    max_request_bytes: int = 32 * 1024 * 1024
-    validation_workers: int = 2
-    json_output: bool = False
-    cors_allow_origin: tuple[str, ...] = ()
-    # Adapters: the default source (local | hub), the directories local adapters must live in (none:
-    # local loading off), adapters loaded at start, and how many loaded adapters the CPU cache keeps.
-    adapter_source: str = "hub"
-    adapter_roots: tuple[str, ...] = ()
-    preloaded_adapter_ids: tuple[str, ...] = ()
-    max_cpu_adapters: int = 64
-    # How long the hub's answer on whether a request's api_token may read a hub adapter is reused for
-    # requests with the same token (and repo); 0: every request asks the hub (lora/hub_source.py).
-    adapter_access_ttl_s: float = 30.0
+    # defaults); this caps both when set (off, as in vLLM).
+    default_max_tokens: int | None = setting(
+        type=_positive,
+        help="cap what an OpenAI request without max_tokens generates (chat: up to the context limit otherwise; "
+             "completions: 16)")
+    # The model's generation_config.json sampling values are the OpenAI routes' defaults where a request sets none
+    # (vLLM's default), or not; the native API never takes them (LoRAX's behaviour).
+    generation_config: str = setting(
+        "auto", choices=("auto", "ignore"),
+        help="auto: OpenAI requests take the model's generation_config.json temperature, top_p, top_k, min_p and "
+             "repetition_penalty where they set none (as vLLM); ignore: they do not. The native API never takes "
+             "them (as LoRAX)")
+    request_timeout_s: float | None = setting(
+        type=float, help="abort a request still running after this many seconds (504 when nothing was sent yet)")
+    # TGI's --payload-limit. Images sent as data URLs count: raise it for many large ones.
+    max_request_bytes: int = setting(32 * 1024 * 1024, type=int,
+                                     help="refuse request bodies larger than this (413), before parsing them")
+    api_keys: tuple[str, ...] = setting(
+        (), flag="--api-key", action="append",
+        help="require this key (Authorization: Bearer KEY) on every route but /health and /ping (GET, HEAD) and "
+             "OPTIONS (repeatable; the environment variable takes a comma-separated list)")
+    cors_allow_origin: tuple[str, ...] = setting(
+        (), action="append",
+        help="answer browsers from this origin (repeatable): preflights and every response, 401s included, carry "
+             "the CORS headers")
+    preloaded_adapter_ids: tuple[str, ...] = setting(
+        (), nargs="+", help="adapters (of --adapter-source) loaded at start and listed by /v1/models")
+    max_cpu_adapters: int = setting(64, type=int,
+                                    help="loaded adapters kept in host memory besides the preloaded ones (LRU)")
+    # lora/hub_source.py
+    adapter_access_ttl_s: float = setting(
+        30.0, type=float,
+        help="how long the hub's answer on whether a request's api_token may read a hub adapter is reused for "
+             "requests with the same token (0: every request asks the hub)")
+    validation_workers: int = setting(
+        2, type=_positive,
+        help="threads that tokenize prompts, render chat templates and build /tokenize's answers, off the event loop")
     # Images: where they may come from and how large they may be (vLLM's names; see multimodal/config.py).
     media: MediaConfig = field(default_factory=MediaConfig)
