@@ -1,4 +1,4 @@
-"""The memory-bandwidth roofline of a decode step (DESIGN.md §6): how fast decoding could go if every step only
+"""The memory-bandwidth roofline of a decode step: how fast decoding could go if every step only
 had to read, once, the bytes it cannot avoid reading, at the device's measured copy bandwidth.
 
 Conventions (printed with the figures by benchmarks/gpu.py):

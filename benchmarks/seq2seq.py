@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.offline import Loraplex, Measurement, measure
+from benchmarks.systems import Loraplex, Measurement, measure
 from benchmarks.workload import Workload, random_prompts, round_robin
 
 FAMILIES = ("t5", "bart")
@@ -464,7 +464,8 @@ def run_family(family: str, args, size: ModelSize = ModelSize(),
 
 
 def main(args) -> int:
-    """`loraplex bench --workload seq2seq ...` (parsed by benchmarks/offline.py)."""
+    """`loraplex bench --workload seq2seq ...` (parsed by benchmarks/offline.py, which calls this; the module has no
+    `__main__` of its own: offline.py imports it, so it imports nothing of offline.py)."""
     families = FAMILIES if args.family == "both" else (args.family,)
     setting = f"cpu float32, {torch.get_num_threads()} threads"
     print(f"torch {torch.__version__}, torch.get_num_threads() = {torch.get_num_threads()}, "
@@ -479,8 +480,3 @@ def main(args) -> int:
                        "workloads": {f"seq2seq-{k}": r.to_json() for k, r in results.items()}}, f, indent=2)
     return 0
 
-
-if __name__ == "__main__":
-    from benchmarks.offline import main as bench_main
-
-    sys.exit(bench_main(["--workload", "seq2seq", *sys.argv[1:]]))

@@ -1,5 +1,5 @@
 """The image features computed from a request's images (multimodal/image_inputs.py), an engine-owned
-per-request state (DESIGN.md section 7).
+per-request state (docs/architecture.md, "Images (vision models)").
 
 The scheduler sees only token counts: each image is already expanded into its placeholder tokens in the
 prompt. The runner encodes a request's images at the first prefill step that reaches a placeholder,

@@ -16,7 +16,8 @@ hold them under any of those names, or only one); the head is tied to it unless 
 false, and an untied checkpoint that holds each stack's embeddings gives each stack its own, as transformers does. transformers' layers clamp float16 activations to the finite range; so do ours (BART's encoder
 clamps only non-finite values; clamping always differs only within 1000 of float16's maximum).
 
-Interface (DESIGN.md 7): `encode(input_ids [E], positions [E]) -> [E, d_model]` for the step's encoder rows,
+Interface (docs/architecture.md, "Encoder-decoder models (T5, BART)"):
+`encode(input_ids [E], positions [E]) -> [E, d_model]` for the step's encoder rows,
 `forward(input_ids [T], positions [T], encoder_hidden=None) -> [T, d_model]` for decoder rows (cross K/V
 computed from `encoder_hidden` for the requests whose encoder ran this step), `compute_logits`.
 """

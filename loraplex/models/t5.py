@@ -12,7 +12,8 @@ the decoder output by d_model^-0.5, v1.1 has its own head and a gated-GELU feed-
 In half precision transformers keeps every `wo` in float32 (`keep_in_float32`; the loader honours it):
 the feed-forward output is then float32 and so is the residual stream it is added to.
 
-Interface (DESIGN.md 7): `encode(input_ids [E], positions [E]) -> [E, d_model]` for the step's encoder rows,
+Interface (docs/architecture.md, "Encoder-decoder models (T5, BART)"):
+`encode(input_ids [E], positions [E]) -> [E, d_model]` for the step's encoder rows,
 `forward(input_ids [T], positions [T], encoder_hidden=None) -> [T, d_model]` for decoder rows (cross K/V
 computed from `encoder_hidden` for the requests whose encoder ran this step), `compute_logits`.
 """

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from benchmarks import offline
+from benchmarks import systems
 from benchmarks.seq2seq import (
     FAMILY_TOKENS,
     ModelSize,
@@ -68,7 +68,7 @@ def test_ratios_and_best_of_repeats_from_measured_times(setup, monkeypatch):
     first = [3.0, 2.0, 4.0, 1.25, 6.0]
     second = [1.0, 3.0, 5.0, 2.0, 5.0]
     ticks = iter([t for d in first + second for t in (0.0, d)])
-    monkeypatch.setattr(offline, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(systems, "perf_counter", lambda: next(ticks))
     result = bench_seq2seq(setup, one_at_a_time_requests=2, repeats=2)
     w = setup.workload
     assert (result.ours.seconds, result.batched.seconds, result.one_at_a_time.seconds,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import offline
+from benchmarks import systems as systems_module
 from benchmarks.adapters import bench_adapters, format_adapter_result
-from benchmarks.offline import Loraplex, bench_workload, format_result
+from benchmarks.offline import bench_workload, format_result
 from benchmarks.peers import HFBatched, HFOneAtATime
+from benchmarks.systems import Loraplex
 from benchmarks.workload import equal_workload, mixed_workload, round_robin
 from tests.helpers import engine_for, ours_from_hf, tiny_hf_model
 
@@ -41,7 +42,7 @@ def test_runs_give_requested_token_counts_and_ratios_from_measured_times(systems
     workload = WORKLOADS[name]()
     # A fake clock: loraplex takes 1 s, transformers batched 2 s, one-at-a-time 4 s.
     ticks = iter([0.0, 1.0, 10.0, 12.0, 20.0, 24.0])
-    monkeypatch.setattr(offline, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(systems_module, "perf_counter", lambda: next(ticks))
 
     result = bench_workload(workload, *systems, one_at_a_time_requests=2)
 
@@ -62,7 +63,7 @@ def test_repeats_keep_each_systems_best_time(systems, monkeypatch):
     workload = WORKLOADS["equal"]()
     # Round 1: loraplex 3 s, batched 1 s, one-at-a-time 1 s; round 2: 1 s, 2 s, 4 s.
     ticks = iter([0.0, 3.0, 10.0, 11.0, 20.0, 21.0, 30.0, 31.0, 40.0, 42.0, 50.0, 54.0])
-    monkeypatch.setattr(offline, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(systems_module, "perf_counter", lambda: next(ticks))
     result = bench_workload(workload, *systems, one_at_a_time_requests=1, repeats=2)
     assert (result.ours.seconds, result.batched.seconds, result.one_at_a_time.seconds) == (1.0, 1.0, 1.0)
     assert "best of 2" in format_result(result, "cpu float32, 1 threads")

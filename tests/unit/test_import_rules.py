@@ -7,9 +7,11 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import benchmarks
 import loraplex
 
 ROOT = pathlib.Path(loraplex.__file__).parent
+BENCHMARKS = pathlib.Path(benchmarks.__file__).parent
 MAX_LINES = 500
 
 # The packages and top-level modules above the engine, and the engine itself.
@@ -35,19 +37,20 @@ FORBIDDEN = {
 }
 
 
-def module_files() -> dict[str, pathlib.Path]:
-    """Dotted module name -> file, for every module of the package."""
+def module_files(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, for every module of the package at `root`."""
     files = {}
-    for path in ROOT.rglob("*.py"):
-        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         files[".".join(parts)] = path
     return files
 
 
-def imported_modules(path: pathlib.Path, package: str) -> set[str]:
-    """Every loraplex module `path` imports (absolute or relative, at the top or inside a function), dotted."""
+def imported_modules(path: pathlib.Path, package: str, tops: tuple[str, ...] = ("loraplex",)) -> set[str]:
+    """Every module of the packages `tops` that `path` imports (absolute or relative, at the top or inside a
+    function), dotted."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -59,7 +62,7 @@ def imported_modules(path: pathlib.Path, package: str) -> set[str]:
                 base = ".".join(parent + ([base] if base else []))
             names.add(base)
             names.update(f"{base}.{a.name}" for a in node.names)
-    return {n for n in names if n == "loraplex" or n.startswith("loraplex.")}
+    return {n for n in names if n.split(".")[0] in tops}
 
 
 def top_part(module: str) -> str | None:
@@ -67,8 +70,10 @@ def top_part(module: str) -> str | None:
     return parts[1] if len(parts) > 1 else None
 
 
-def import_graph() -> dict[str, set[str]]:
-    files = module_files()
+def import_graph(roots: tuple[pathlib.Path, ...] = (ROOT,)) -> dict[str, set[str]]:
+    """Module -> the modules it imports, over the packages at `roots` (the import rules' default: loraplex)."""
+    files = {name: path for root in roots for name, path in module_files(root).items()}
+    tops = tuple(root.name for root in roots)
 
     def known(name: str) -> str | None:
         while name and name not in files:
@@ -78,8 +83,8 @@ def import_graph() -> dict[str, set[str]]:
     graph = {}
     for module, path in files.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        deps = {known(n) for n in imported_modules(path, package)}
-        graph[module] = {d for d in deps if d and d != module and d != "loraplex"}
+        deps = {known(n) for n in imported_modules(path, package, tops)}
+        graph[module] = {d for d in deps if d and d != module and d not in tops}
     return graph
 
 
@@ -183,6 +188,21 @@ def test_the_server_never_reaches_into_the_engine():
 
 def test_no_product_file_over_500_lines():
     long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+def test_no_import_circle_over_loraplex_and_the_benchmarks():
+    """The benchmarks import loraplex, and loraplex's `bench` command imports benchmarks.offline: one graph over both
+    packages (imports inside functions and `__main__` blocks included) has no circle, within either or across
+    (benchmarks/systems.py holds what offline.py and seq2seq.py share)."""
+    graph = import_graph((ROOT, BENCHMARKS))
+    assert {"benchmarks.seq2seq", "benchmarks.systems", "loraplex.engine.engine"} <= graph["benchmarks.offline"]
+    assert import_circles(graph) == []
+
+
+def test_no_benchmark_file_over_500_lines():
+    long = {str(p.relative_to(BENCHMARKS)): n for p in BENCHMARKS.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long
 
 
