@@ -34,15 +34,15 @@ class EngineAdapters:
         _, users = self.in_use.get(adapter.key, (adapter, 0))
         self.in_use[adapter.key] = (adapter, users + 1)
 
-    def drop(self, adapter_id: str | None) -> None:
-        """One request fewer uses the adapter `adapter_id` (None: the base model)."""
-        if adapter_id is None:
+    def drop(self, key: str | None) -> None:
+        """One request fewer uses the adapter of store key `key` (None: the base model)."""
+        if key is None:
             return
-        adapter, users = self.in_use[adapter_id]
+        adapter, users = self.in_use[key]
         if users == 1:
-            del self.in_use[adapter_id]
+            del self.in_use[key]
         else:
-            self.in_use[adapter_id] = (adapter, users - 1)
+            self.in_use[key] = (adapter, users - 1)
 
     def install(self, installs: Iterable[tuple[int, str]]) -> dict[str, str]:
         """Install the step's new adapters (slot, key) into their slots. Returns the adapters whose install raised,
@@ -79,7 +79,7 @@ class EngineAdapters:
 
         def wanted():
             for request in itertools.islice(self.scheduler.waiting, STAGE_LOOKAHEAD):
-                key = request.adapter_id
+                key = request.adapter_key
                 if key is not None and slots.slot_of(key) is None:
                     yield self.in_use[key][0]
 
@@ -91,6 +91,6 @@ class EngineAdapters:
         adapters = dict(self.in_use)
 
         def names(requests: list[Request]) -> list[str]:
-            return sorted({adapters[r.adapter_id][0].adapter_id for r in requests if r.adapter_id in adapters})
+            return sorted({adapters[r.adapter_key][0].adapter_id for r in requests if r.adapter_key in adapters})
 
         return {"running": names(list(self.scheduler.running)), "waiting": names(list(self.scheduler.waiting))}

@@ -57,8 +57,8 @@ def writers_of(scheduled: Sequence[ScheduledRequest], block_size: int) -> list[s
 
 
 def failure_message(item: ScheduledRequest, error: BaseException) -> str:
-    adapter_id = item.request.adapter_id
-    where = "the base model" if adapter_id is None else f"adapter {adapter_id!r}"
+    key = item.request.adapter_key
+    where = "the base model" if key is None else f"adapter {key!r}"
     return f"the step failed for this request ({where}): {error}"
 
 
@@ -121,8 +121,8 @@ def failed_install_results(scheduled: Sequence[ScheduledRequest], broken: dict[s
     writers = writers_of(scheduled, block_size)
     results = [StepResult() for _ in scheduled]
     for i, item in enumerate(scheduled):
-        if item.request.adapter_id in broken:
-            results[i].error = broken[item.request.adapter_id]
+        if item.request.adapter_key in broken:
+            results[i].error = broken[item.request.adapter_key]
         elif any(results[w].error or results[w].requeue for w in writers[i]):
             results[i].requeue = True
     return results

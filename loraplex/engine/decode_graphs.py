@@ -40,8 +40,7 @@ from torch import nn
 from loraplex.engine.graph_inputs import StagedInputs
 from loraplex.engine.logits import greedy_picks
 from loraplex.layers.forward_context import AttentionMetadata, DecodeGroup, ForwardContext, forward_context
-from loraplex.lora.plan import per_row_plan
-from loraplex.lora.table import AdapterTable
+from loraplex.lora.plan import LoraPlanner
 from loraplex.models.base import ModelInputs
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -65,10 +64,11 @@ def graphable_family(inputs: ModelInputs) -> bool:
 
 class DecodeGraphs:
     def __init__(
-        self, model: nn.Module, backend, kv_caches: list, lora: AdapterTable | None, max_batch: int, max_seq_len: int,
+        self, model: nn.Module, backend, kv_caches: list, planner: LoraPlanner, max_batch: int, max_seq_len: int,
         block_size: int, scratch_block: int, device: torch.device,
     ) -> None:
-        self.model, self.backend, self.kv_caches, self.lora = model, backend, kv_caches, lora
+        self.model, self.backend, self.kv_caches = model, backend, kv_caches
+        self.planner, self.lora = planner, planner.table  # the graphs' LoRA plans; the table, None without adapters
         self.sizes = [b for b in BATCH_SIZES if b < max_batch] + [min(max_batch, BATCH_SIZES[-1])]
         self.block_size, self.scratch_block = block_size, scratch_block
         self.width = -(-max_seq_len // block_size)  # block table columns: the longest sequence's blocks
@@ -145,7 +145,7 @@ class DecodeGraphs:
             slot_mapping=static[_SLOTS, :bucket], block_tables=self._tables[:bucket],
             seq_lens=[], query_start_loc=list(range(bucket + 1)), decode_groups=[group], prefill_seqs=[],
         )  # seq_lens: the graph's lengths live on the device only (the decode group's)
-        lora = per_row_plan(self.lora, static[_ADAPTERS, :bucket], layers) if layers is not None else None
+        lora = self.planner.graph_plan(static[_ADAPTERS, :bucket], layers) if layers is not None else None
         return ForwardContext(md, self.kv_caches, self.backend, lora)
 
     def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:

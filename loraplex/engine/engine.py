@@ -212,7 +212,7 @@ class Engine:
         request.grammar = inputs.grammar
         if adapter is not None:
             self.adapters.use(adapter)
-            request.adapter_id = adapter.key  # the engine's name for it; `adapter.adapter_id` is the client's
+            request.adapter_key = adapter.key  # the store's name for it; `adapter.adapter_id` is the client's
         if self.config.prefix_caching:
             request.cache_key = root_key(adapter.fingerprint if adapter else None, params.cache_salt, inputs.encoder_ids)
             request.image_digest = inputs.image_digest
@@ -233,7 +233,7 @@ class Engine:
         its stream (None once gone)."""
         self.scheduler.finish(request, reason)
         drop_placeholders(request)
-        self.adapters.drop(request.adapter_id)
+        self.adapters.drop(request.adapter_key)
         self.runner.forget(request.request_id)
         return self.outputs.close(request.request_id)
 
@@ -338,8 +338,8 @@ class Engine:
         results = failed_install_results(plan.scheduled, broken, self.scheduler.config.block_size)
         outputs = self._settle(plan.scheduled, results)
         plan.scheduled = [item for item, result in zip(plan.scheduled, results) if not (result.error or result.requeue)]
-        for adapter_id in broken:  # its requests are gone, so nothing pins it: free its slot
-            self.evict_adapter(adapter_id)
+        for key in broken:  # its requests are gone, so nothing pins it: free its slot
+            self.evict_adapter(key)
         return outputs
 
     def _settle(self, scheduled: list[ScheduledRequest], results: list[StepResult]) -> list[RequestOutput]:

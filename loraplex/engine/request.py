@@ -37,7 +37,7 @@ class Request:
     # Filled once by the first prefill that covers the prompt (never recomputed after preemption).
     prompt_logprobs: list[float | None] | None = None
     first_scheduled_time: float | None = None
-    adapter_id: str | None = None  # None: the base model
+    adapter_key: str | None = None  # the store's key of its adapter (LoraAdapter.key); None: the base model
     adapter_slot: int | None = None  # the device slot of its adapter, while running
     # Its images (a multimodal.image_inputs.ImageInputs), already expanded into placeholder tokens in prompt_ids;
     # the scheduler only ever sees the token counts.

@@ -26,7 +26,7 @@ from loraplex.layers.attention import AttentionBackend, TritonAttentionBackend, 
 from loraplex.layers.forward_context import ForwardContext, forward_context
 from loraplex.layers.kv_quant import set_kv_scales
 from loraplex.layers.projections import fuse_projections
-from loraplex.lora.plan import STACKED_ROWS_PER_SEGMENT, LoraPlan, LoraPlanner
+from loraplex.lora.plan import LoraPlan, LoraPlanner
 from loraplex.lora.table import AdapterTable
 from loraplex.models.base import ModelFamily
 
@@ -89,14 +89,13 @@ class ModelRunner:
         self.vision_counters = self.model_call.vision_counters
         self.logits = LogitsPipeline(forced_tokens)
         self.grammar_masks: GrammarMasks | None = None  # set by the engine once a request has a grammar
-        self.stacked_rows_per_segment = STACKED_ROWS_PER_SEGMENT.get(device.type, 8)
+        self.lora_planner = LoraPlanner(lora, device)  # each step's LoRA plan, eager or graphed (lora/plan.py)
         self.decode_graphs = (
-            DecodeGraphs(model, self.backend, self.kv_caches, lora, graphs.max_batch, graphs.max_seq_len, block_size,
-                         scratch_block=num_blocks, device=device)
+            DecodeGraphs(model, self.backend, self.kv_caches, self.lora_planner, graphs.max_batch, graphs.max_seq_len,
+                         block_size, scratch_block=num_blocks, device=device)
             if graphed else None
         )
         self._host_picks = HostPicks(self.decode_graphs.max_batch) if graphed else None
-        self.lora_planner = LoraPlanner(lora, device)  # each step's LoRA plan (lora/plan.py)
 
     @property
     def takes_images(self) -> bool:
@@ -197,7 +196,7 @@ class ModelRunner:
         slots = [item.request.adapter_slot for item in scheduled]
         starts = batch.metadata.query_start_loc
         lora = self.lora_planner.plan(
-            slots, [starts[i + 1] - starts[i] for i in range(len(slots))], self.stacked_rows_per_segment,
+            slots, [starts[i + 1] - starts[i] for i in range(len(slots))],
             [slots[i] for i in batch.encoding], [scheduled[i].request.num_states for i in batch.encoding],
         )
         ctx = ForwardContext(batch.metadata, self.kv_caches, self.backend, lora)

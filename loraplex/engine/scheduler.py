@@ -199,7 +199,7 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         """Start waiting requests, first come first served, while budget, seats and KV blocks allow."""
-        self.slots.begin_step([r.adapter_id for r in self.waiting if r.adapter_id is not None])
+        self.slots.begin_step([r.adapter_key for r in self.waiting if r.adapter_key is not None])
         passed_over: list[Request] = []
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.waiting[0]
@@ -213,7 +213,7 @@ class Scheduler:
             if not self._can_take(needed + taken + self.config.watermark_blocks, self._missing_state_blocks(request)):
                 break
             self.waiting.popleft()
-            if request.adapter_id is not None and not self._take_slot(request, out):
+            if request.adapter_key is not None and not self._take_slot(request, out):
                 passed_over.append(request)
                 continue
             if hit is not None:
@@ -272,7 +272,7 @@ class Scheduler:
             out.scheduled[index] = ScheduledRequest(request, n)
 
     def _take_slot(self, request: Request, out: SchedulerOutput) -> bool:
-        adapter = request.adapter_id
+        adapter = request.adapter_key
         if not self.slots.may_admit(adapter):
             return False
         got = self.slots.acquire(adapter)
@@ -334,8 +334,8 @@ class Scheduler:
         return request
 
     def _release_slot(self, request: Request) -> None:
-        if request.adapter_id is not None:
-            self.slots.release(request.adapter_id)
+        if request.adapter_key is not None:
+            self.slots.release(request.adapter_key)
             request.adapter_slot = None
 
     def _release_blocks(self, request: Request) -> None:

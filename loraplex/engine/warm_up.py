@@ -25,7 +25,6 @@ from typing import Sequence
 import torch
 
 from loraplex.lora.adapter import LoraAdapter, LoraConfig
-from loraplex.lora.layers import row_kind
 from loraplex.lora.weights import LoraWeights
 from loraplex.params import SamplingParams
 
@@ -83,7 +82,7 @@ def _zero_adapter(engine) -> LoraAdapter | None:
     when the engine has no adapter slot or the model no such module."""
     rank = min(WARM_UP_RANK, engine.config.max_lora_rank)
     modules = {name: LoraWeights(torch.zeros(rank, n_in), torch.zeros(n_out, rank), 1.0)
-               for name, (n_in, n_out) in engine.lora.base_shapes.items() if row_kind(name) != "logits"}
+               for name, (n_in, n_out) in engine.lora.base_shapes.items() if engine.lora.layers[name].row_kind != "logits"}
     if not engine.lora.num_slots or not modules:
         return None
     config = LoraConfig(r=rank, lora_alpha=rank, target_modules=tuple(sorted(modules)))

@@ -14,6 +14,7 @@ table holds) and added to the base output, cast to that dtype if the base return
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Callable, Sequence
 
 import torch
@@ -25,38 +26,30 @@ from loraplex.layers.projections import LinearWrapper
 from loraplex.lora.experts import ExpertProjection, LoraExperts
 from loraplex.quantization import dequantized_weight
 
-# Which rows a LoRA-wrapped linear sees (DESIGN.md 7), by its module path: the output head sees the rows
-# handed to compute_logits; a vision tower and its projector see images (LLaVA: tiles; Mllama: whole
-# images), each owned by the request whose image it is; an encoder-decoder's encoder sees the encoder rows
-# of the requests it runs for; cross-attention key/value projections see the states they read (an
-# encoder's output, Mllama's image states), each request's own (`states`); everything else sees the
-# step's token rows.
-_IMAGE_MODULES = ("vision_tower.", "vision_model.", "multi_modal_projector")
-_STATE_MODULES = (
-    "EncDecAttention.k", "EncDecAttention.v", "encoder_attn.k_proj", "encoder_attn.v_proj",  # T5, BART
-    "cross_attn.k_proj", "cross_attn.v_proj",  # Mllama
-)
-_ENCODER_STACKS = ("encoder", "model.encoder")  # T5's and BART's encoder stacks
+# The kinds of row a LoRA-wrapped linear may read: the step's token rows, the rows handed to compute_logits
+# (the output head), a vision tower's images (LLaVA: tiles; Mllama: whole images), cross-attention states
+# (each request's own: an encoder's output, Mllama's image states) and an encoder's rows. Each request's rows of
+# every kind use its adapter (lora/plan.py).
+ROW_KINDS = ("tokens", "logits", "patches", "states", "encoder")
 
 
-def row_kind(name: str) -> str:
+def row_kind(name: str, declared: Sequence[tuple[str, str]] = ()) -> str:
+    """Which rows the linear `name` reads: the output head the logits rows; else the kind of the first of its model
+    family's declared (glob, kind) pairs that matches (`linear_rows`, models/base.py); else the token rows."""
     if name.rsplit(".", 1)[-1] == "lm_head":
         return "logits"
-    if any(part in name for part in _IMAGE_MODULES):
-        return "patches"
-    if name.endswith(_STATE_MODULES):
-        return "states"
-    if any(name.startswith(stack + ".") for stack in _ENCODER_STACKS):
-        return "encoder"
+    for pattern, kind in declared:
+        if fnmatch.fnmatchcase(name, pattern):
+            return kind
     return "tokens"
 
 
 class LoraLinear(LinearWrapper):
-    def __init__(self, base: nn.Linear, name: str) -> None:
+    def __init__(self, base: nn.Linear, name: str, kind: str = "tokens") -> None:
         super().__init__()
         self.base = base
         self.name = name
-        self.row_kind = row_kind(name)
+        self.row_kind = kind
 
     @property
     def in_features(self) -> int:
@@ -86,7 +79,10 @@ class LoraLinear(LinearWrapper):
 def wrap_linears(model: nn.Module) -> dict[str, LoraLinear | ExpertProjection]:
     """Wrap each nn.Linear of `model` (bitsandbytes' quantized linears included) in a LoraLinear, and each stacked
     experts module in a LoraExperts (once); module name -> layer, each expert's linears by name among them
-    (lora/experts.py)."""
+    (lora/experts.py). Which rows each linear reads comes from the model's `linear_rows` (models/base.py)."""
+    declared = tuple(getattr(model, "linear_rows", ()))
+    unknown = {kind for _, kind in declared} - set(ROW_KINDS)
+    assert not unknown, f"{type(model).__name__}.linear_rows names unknown row kinds {sorted(unknown)}"
     layers: dict[str, LoraLinear | ExpertProjection] = {}
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraLinear):
@@ -101,7 +97,7 @@ def wrap_linears(model: nn.Module) -> dict[str, LoraLinear | ExpertProjection]:
         elif isinstance(module, nn.Linear) and not name.endswith(".base"):
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            layer = LoraLinear(module, name)
+            layer = LoraLinear(module, name, row_kind(name, declared))
             setattr(parent, child, layer)
             layers[name] = layer
     return layers

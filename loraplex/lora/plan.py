@@ -3,7 +3,9 @@ that adds a layer's deltas whatever that form is (as vLLM's Punica wrapper does)
 
 `LoraPlanner.plan` builds a step's plan from its rows and their adapter slots; the runner hands it to the layers
 through the forward context (`ForwardContext.lora`, opaque to layers/), and each `LoraLinear` asks it for its
-deltas. The forms, per kind of row (`lora/layers.py` `row_kind`):
+deltas. The planner is the one place that picks a form, for eager steps (`plan`) and for CUDA graphs'
+decode steps (`graph_plan`). The forms, per kind of row (which rows a linear reads: `lora/layers.py` `row_kind`,
+from its model family's `linear_rows`):
 
 - segments: one matmul pair per adapter's run of rows (`kernels/segments.py`); prefill, and every kind of row
   but the step's tokens;
@@ -240,10 +242,12 @@ class LoraPlanner:
         self.table, self.device = table, device
         # On CUDA, the rows of several adapters take the tile kernels rather than the stacked or segmented forms.
         self.per_row = table is not None and triton_available(device)
+        # Off CUDA (or for one adapter's rows): segments of at most this many rows each take the stacked form.
+        self.stacked_rows_per_segment = STACKED_ROWS_PER_SEGMENT.get(device.type, 8)
 
-    def plan(self, slots: Sequence[int | None], row_counts: Sequence[int], stacked_rows_per_segment: int,
+    def plan(self, slots: Sequence[int | None], row_counts: Sequence[int],
              encoder_slots: Sequence[int | None] = (), encoder_counts: Sequence[int] = ()) -> LoraPlan | None:
-        """The plan of a step whose sequence i has `row_counts[i]` token rows using slot `slots[i]` (None: no
+        """The plan of an eager step whose sequence i has `row_counts[i]` token rows using slot `slots[i]` (None: no
         adapter), and whose encoders (encoder-decoder models) run for `encoder_counts` rows using `encoder_slots`.
         None: no token row uses an adapter.
 
@@ -268,15 +272,17 @@ class LoraPlanner:
             plan.tokens = []
             return plan
         # Each adapter's group is padded to the longest: cap the longest, which bounds the padding.
-        if len(segments) > 1 and max(s.end - s.start for s in segments) <= stacked_rows_per_segment:
+        if len(segments) > 1 and max(s.end - s.start for s in segments) <= self.stacked_rows_per_segment:
             plan.stack = table.stack(tuple(sorted({s.slot for s in segments})))
             plan.groups["tokens"] = plan.stack.groups(segments, self.device)
         return plan
 
-
-def per_row_plan(table: AdapterTable, row_slots: torch.Tensor, layers: frozenset[str]) -> LoraPlan:
-    """The plan of a CUDA graph's decode step: every token and logits row in the per-row form, each row's slot read
-    from `row_slots` [T] int32 on the device (-1: none) at replay; `layers`: those some installed adapter targets."""
-    per_row = PerRowForm(row_slots, table.pointers, layers, table.max_rank)
-    return LoraPlan(tokens=[], logits=[], weights=table.columns, dtype=table.dtype,
-                    per_row={"tokens": per_row, "logits": per_row})
+    def graph_plan(self, row_slots: torch.Tensor, layers: frozenset[str]) -> LoraPlan:
+        """The plan of a CUDA graph's decode step: every token and logits row in the per-row form, each row's slot
+        read from `row_slots` [T] int32 on the device (-1: none) at replay; `layers`: those some installed adapter
+        targets."""
+        table = self.table
+        assert table is not None, "a graph with adapters but no adapter table"
+        per_row = PerRowForm(row_slots, table.pointers, layers, table.max_rank)
+        return LoraPlan(tokens=[], logits=[], weights=table.columns, dtype=table.dtype,
+                        per_row={"tokens": per_row, "logits": per_row})

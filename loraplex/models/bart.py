@@ -156,6 +156,8 @@ class BartModel(nn.Module):
 
 class BartForConditionalGeneration(nn.Module, ModelFamily):
     inputs = ModelInputs.TEXT | ModelInputs.ENCODER
+    linear_rows = (("model.decoder.*.encoder_attn.k_proj", "states"), ("model.decoder.*.encoder_attn.v_proj", "states"),
+                   ("model.encoder.*", "encoder"))
     optional_checkpoint_tensors = ("final_logits_bias",)  # zeros when absent, as transformers leaves it
     unused_checkpoint_tensors = (r"^model\.(encoder|decoder)\.version$",)  # fairseq-era keys
 

@@ -38,6 +38,11 @@ class ModelFamily(Protocol):
     keep_in_float32: ClassVar[tuple[str, ...]] = ()
     # Layers whose KV cache holds only cross-attention states (they get a block pool of their own).
     state_layers: tuple[int, ...] = ()
+    # Which input rows a linear reads where they are not the step's token rows, as (glob over its module name,
+    # kind), the first match winning: "patches" (a vision tower's image tiles), "states" (cross-attention keys
+    # and values made from an encoder's output or from image states), "encoder" (an encoder's own rows). The
+    # output head (`lm_head`) reads the rows handed to `compute_logits` in every family.
+    linear_rows: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, **inputs) -> torch.Tensor:
         """Hidden states [rows, hidden] of the step's token rows; `inputs` as `inputs` declares."""

@@ -105,6 +105,7 @@ class LlavaNextModel(nn.Module):
 
 class LlavaNextForConditionalGeneration(nn.Module, ModelFamily):
     inputs = ModelInputs.TEXT | ModelInputs.IMAGE_FEATURES
+    linear_rows = (("model.vision_tower.*", "patches"), ("model.multi_modal_projector.*", "patches"))
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

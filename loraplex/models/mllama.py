@@ -122,6 +122,8 @@ class MllamaModel(MllamaImageEncoder):
 
 class MllamaForConditionalGeneration(nn.Module, ModelFamily):
     inputs = ModelInputs.TEXT | ModelInputs.IMAGE_STATES
+    linear_rows = (("model.vision_model.*", "patches"), ("model.multi_modal_projector", "patches"),
+                   ("*.cross_attn.k_proj", "states"), ("*.cross_attn.v_proj", "states"))
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -207,6 +207,8 @@ class T5Stack(nn.Module):
 
 class T5ForConditionalGeneration(nn.Module, ModelFamily):
     inputs = ModelInputs.TEXT | ModelInputs.ENCODER
+    linear_rows = (("decoder.*.EncDecAttention.k", "states"), ("decoder.*.EncDecAttention.v", "states"),
+                   ("encoder.*", "encoder"))
     keep_in_float32 = ("wo",)  # module names whose weights stay float32 in half precision (transformers' list)
     keep_unquantized = ("wo",)  # and stay unquantized, as transformers' bitsandbytes loading does
 

@@ -30,7 +30,7 @@ class StepLog:
     def _logged(self, scheduled, *args):
         results = self._execute(scheduled, *args)
         self.steps.append([
-            Verified(item.request.request_id, item.request.adapter_id, item.num_drafts,
+            Verified(item.request.request_id, item.request.adapter_key, item.num_drafts,
                      [t.token_id for t in result.tokens], item.num_new_tokens > 1 and not item.num_drafts)
             for item, result in zip(scheduled, results)
         ])

@@ -155,7 +155,7 @@ def test_mixed_adapters_base_images_and_text_in_one_batch(llava, requests, adapt
     jobs = [(r, v, e[i]) for i, r in enumerate(requests) for v, e in zip(variants, expected)]
     for form, threshold in (("segments", 0), ("stacked", 10**6)):
         engine = engine_for(ours, config, max_batch_total_tokens=4096, max_active_adapters=len(variants))
-        engine.runner.stacked_rows_per_segment = threshold
+        engine.runner.lora_planner.stacked_rows_per_segment = threshold
         assert run(engine, [r for r, _, _ in jobs], [v for _, v, _ in jobs]) == [e for _, _, e in jobs], form
 
 

@@ -83,9 +83,10 @@ def run(engine, jobs, adapters=None, params=PARAMS):
 
 def test_adapter_module_kinds(mllama, adapters):
     from loraplex.lora.layers import row_kind
+    from loraplex.models.mllama import MllamaForConditionalGeneration
 
     adapter, _ = adapters["all"]
-    kinds = {name: row_kind(name) for name in adapter.modules}
+    kinds = {name: row_kind(name, MllamaForConditionalGeneration.linear_rows) for name in adapter.modules}
     assert kinds["model.language_model.layers.1.cross_attn.k_proj"] == "states"
     assert kinds["model.language_model.layers.1.cross_attn.q_proj"] == "tokens"
     assert kinds["model.vision_model.global_transformer.layers.0.mlp.fc2"] == "patches"
@@ -114,7 +115,7 @@ def test_mixed_adapters_base_images_and_text_in_one_batch(mllama, cases, adapter
     jobs = [((ids, i), v, e[k]) for k, (_, _, ids, i) in enumerate(cases) for v, e in zip(variants, expected)]
     for form, threshold in (("segments", 0), ("stacked", 10**6)):
         engine = engine_for(model, config, max_active_adapters=len(variants))
-        engine.runner.stacked_rows_per_segment = threshold
+        engine.runner.lora_planner.stacked_rows_per_segment = threshold
         assert run(engine, [j for j, _, _ in jobs], [v for _, v, _ in jobs]) == [e for _, _, e in jobs], form
 
 

@@ -117,7 +117,7 @@ def test_each_decode_size_runs_steps_of_exactly_that_many_rows_with_the_adapter_
     def watched():
         plan = schedule()
         if plan.scheduled and all(item.num_new_tokens == 1 for item in plan.scheduled):
-            on_adapter = {item.request.adapter_id is not None for item in plan.scheduled}
+            on_adapter = {item.request.adapter_key is not None for item in plan.scheduled}
             assert len(on_adapter) == 1, "a warm-up step mixed adapter rows and base rows"
             decode_steps.add((len(plan.scheduled), on_adapter.pop()))
         return plan

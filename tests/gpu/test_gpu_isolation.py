@@ -45,7 +45,7 @@ def test_poisoned_adapters_change_no_other_request_on_cuda(form, dtype):
     hf = tiny_hf_model("llama", seed=3)
     ours, config = ours_from_hf(hf, device=DEVICE, dtype=dtype)
     engine = engine_for(ours, config, device=DEVICE, dtype=dtype, max_active_adapters=12)
-    engine.runner.stacked_rows_per_segment = FORMS[form]
+    engine.runner.lora_planner.stacked_rows_per_segment = FORMS[form]
     good = [None, *adapters_for(engine.lora.base_shapes, 6)]
     bad = [poisoned(good[1], "nan-b", "b", math.nan), poisoned(good[2], "inf-a", "a", math.inf),
            poisoned(good[3], "neg-inf-b", "b", -math.inf)]

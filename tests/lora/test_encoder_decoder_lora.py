@@ -64,17 +64,35 @@ def test_lora_matches_peft(family, case):
 
 
 def test_row_kinds():
-    assert row_kind("encoder.block.1.layer.0.SelfAttention.q") == "encoder"
-    assert row_kind("encoder.block.0.layer.1.DenseReluDense.wo") == "encoder"
-    assert row_kind("decoder.block.0.layer.1.EncDecAttention.k") == "states"
-    assert row_kind("decoder.block.0.layer.1.EncDecAttention.q") == "tokens"
-    assert row_kind("decoder.block.2.layer.2.DenseReluDense.wi_0") == "tokens"
-    assert row_kind("model.encoder.layers.0.fc1") == "encoder"
-    assert row_kind("model.decoder.layers.1.encoder_attn.v_proj") == "states"
-    assert row_kind("model.decoder.layers.1.encoder_attn.out_proj") == "tokens"
-    assert row_kind("model.decoder.layers.1.self_attn.k_proj") == "tokens"
-    assert row_kind("model.vision_tower.encoder.layers.0.self_attn.k_proj") == "patches"
-    assert row_kind("lm_head") == "logits"
+    """Which rows each linear reads, from its family's declared `linear_rows`."""
+    from loraplex.models.bart import BartForConditionalGeneration as Bart
+    from loraplex.models.llava_next import LlavaNextForConditionalGeneration as Llava
+    from loraplex.models.t5 import T5ForConditionalGeneration as T5
+
+    t5, bart, llava = T5.linear_rows, Bart.linear_rows, Llava.linear_rows
+    assert row_kind("encoder.block.1.layer.0.SelfAttention.q", t5) == "encoder"
+    assert row_kind("encoder.block.0.layer.1.DenseReluDense.wo", t5) == "encoder"
+    assert row_kind("decoder.block.0.layer.1.EncDecAttention.k", t5) == "states"
+    assert row_kind("decoder.block.0.layer.1.EncDecAttention.q", t5) == "tokens"
+    assert row_kind("decoder.block.2.layer.2.DenseReluDense.wi_0", t5) == "tokens"
+    assert row_kind("model.encoder.layers.0.fc1", bart) == "encoder"
+    assert row_kind("model.decoder.layers.1.encoder_attn.v_proj", bart) == "states"
+    assert row_kind("model.decoder.layers.1.encoder_attn.out_proj", bart) == "tokens"
+    assert row_kind("model.decoder.layers.1.self_attn.k_proj", bart) == "tokens"
+    assert row_kind("model.vision_tower.encoder.layers.0.self_attn.k_proj", llava) == "patches"
+    assert row_kind("lm_head", t5) == row_kind("lm_head") == "logits"
+    assert row_kind("model.encoder.layers.0.fc1") == "tokens"  # no declaration: every linear reads the token rows
+
+
+def test_wrapped_linears_take_their_familys_row_kinds(family):
+    ours, config = family[:2]
+    layers = engine_for(ours, config, max_active_adapters=1).lora.layers
+    by_kind = {}
+    for name, layer in layers.items():
+        by_kind.setdefault(layer.row_kind, []).append(name)
+    assert set(by_kind) == {"tokens", "encoder", "states", "logits"}, by_kind.keys()
+    assert all(name.endswith(("EncDecAttention.k", "EncDecAttention.v", "encoder_attn.k_proj", "encoder_attn.v_proj"))
+               for name in by_kind["states"])
 
 
 def test_mixed_adapters_and_base(family):
@@ -84,6 +102,6 @@ def test_mixed_adapters_and_base(family):
     random.Random(2).shuffle(jobs)
     for threshold in (0, 10**6):  # the segmented form, then the stacked form for every decode step
         engine = engine_for(ours, config, max_active_adapters=len(variants))
-        engine.runner.stacked_rows_per_segment = threshold
+        engine.runner.lora_planner.stacked_rows_per_segment = threshold
         outs = engine.generate([p for p, _, _ in jobs], PARAMS, adapters=[a for _, a, _ in jobs])
         assert [o.token_ids for o in outs] == [w for _, _, w in jobs], threshold

@@ -100,7 +100,7 @@ def test_poisoned_adapters_change_no_other_request_during_or_after(embedded, goo
     """With overlapped steps (engine/overlap.py) the late poison fails its requests when a launched step is read."""
     engine = Engine(embedded, EngineConfig(device="cpu", max_batch_total_tokens=4096, max_active_adapters=12,
                                            overlap_steps=overlap))
-    engine.runner.stacked_rows_per_segment = FORMS[form]
+    engine.runner.lora_planner.stacked_rows_per_segment = FORMS[form]
     stacked_steps = count_stacked_steps(engine)
     prompt = good_jobs[0][0]
     nova = shipped["name-nova"]
@@ -144,7 +144,7 @@ def test_an_adapter_whose_computation_raises_fails_only_its_own_requests(embedde
     broken = LoraAdapter("broken", {**nova.modules, MODULE: LoraWeights(torch.zeros(8, 3), torch.zeros(576, 8), 2.0)},
                          nova.config)
     for form, threshold in FORMS.items():
-        engine.runner.stacked_rows_per_segment = threshold
+        engine.runner.lora_planner.stacked_rows_per_segment = threshold
         jobs = [*good_jobs, (good_jobs[0][0], broken), (good_jobs[1][0], broken)]
         outs = engine.generate([p for p, _ in jobs], PARAMS, adapters=[a for _, a in jobs])
         assert [o.token_ids for o in outs[:-2]] == solo, form

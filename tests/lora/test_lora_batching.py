@@ -159,7 +159,7 @@ class Probe:
 
         def checked(slot: int, adapter: LoraAdapter) -> None:
             users = [r.request_id for r in self.engine.scheduler.running
-                     if r.adapter_slot == slot and r.adapter_id != adapter.adapter_id]
+                     if r.adapter_slot == slot and r.adapter_key != adapter.adapter_id]
             assert not users, f"installing {adapter.adapter_id} in slot {slot} under running {users}"
             self.installs.append((slot, adapter.adapter_id))
             install(slot, adapter)
@@ -180,15 +180,15 @@ class Probe:
                 kinds.add("decode" if item.num_new_tokens == 1 and r.num_computed_tokens >= len(r.prompt_ids) else "prefill")
                 if r.num_computed_tokens < len(r.prompt_ids) and not item.completes_sequence:
                     self.chunked += 1
-                if r.adapter_id is None:
+                if r.adapter_key is None:
                     assert r.adapter_slot is None
                     continue
-                assert engine.lora.occupant[r.adapter_slot] == r.adapter_id, "a request runs on another adapter's slot"
+                assert engine.lora.occupant[r.adapter_slot] == r.adapter_key, "a request runs on another adapter's slot"
                 tokens[r.adapter_slot] = tokens.get(r.adapter_slot, 0) + item.num_new_tokens
                 if item.completes_sequence:
                     logits[r.adapter_slot] = logits.get(r.adapter_slot, 0) + 1
             self.mixed_steps += kinds == {"decode", "prefill"}
-            distinct = {item.request.adapter_id for item in scheduled} - {None}
+            distinct = {item.request.adapter_key for item in scheduled} - {None}
             assert len(distinct) <= engine.config.max_active_adapters
             self.max_distinct = max(self.max_distinct, len(distinct))
             self._expect_tokens, self._expect_logits = tokens, logits
@@ -324,7 +324,7 @@ def test_preemption_with_adapters_resumes_exactly(tiny, adapters, solo, make_pro
     together = run_all(engine, jobs, on_step=clock.tick, requests_out=requests)
     assert together == solo(jobs)
     preempted = [r for r in requests if r.num_preemptions]
-    assert len(preempted) >= 3 and {r.adapter_id for r in preempted} - {None}, "the cache was meant to be too small"
+    assert len(preempted) >= 3 and {r.adapter_key for r in preempted} - {None}, "the cache was meant to be too small"
     assert_adapters_matter(jobs, together, solo)
     assert probe.max_distinct == 3
 

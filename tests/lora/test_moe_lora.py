@@ -206,7 +206,7 @@ def test_a_mixed_batch_equals_each_alone(case, greedy, form, monkeypatch):
     variants = [None, "stacked", "down_only"]
     jobs = [(i, v) for i in range(len(PROMPTS)) for v in variants]
     engine = _engine(case, max_active_adapters=len(variants))
-    engine.runner.stacked_rows_per_segment = 10**6 if form == "stacked" else 0
+    engine.runner.lora_planner.stacked_rows_per_segment = 10**6 if form == "stacked" else 0
     if form == "per_row":
         monkeypatch.setattr(lora_plan, "_add_per_row", _per_row_on_the_cpu(engine.lora))
         engine.runner.lora_planner.per_row = True

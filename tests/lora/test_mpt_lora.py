@@ -71,6 +71,6 @@ def test_mixed_adapters_and_base_on_mpt(mpt, prompts, adapters):
     jobs = [(p, a, want[i]) for i, p in enumerate(prompts) for a, want in variants]
     for threshold in (0, 10**6):
         engine = engine_for(ours, config, max_batch_total_tokens=4096, max_active_adapters=len(variants))
-        engine.runner.stacked_rows_per_segment = threshold
+        engine.runner.lora_planner.stacked_rows_per_segment = threshold
         outs = engine.generate([p for p, _, _ in jobs], PARAMS, adapters=[a for _, a, _ in jobs])
         assert [o.token_ids for o in outs] == [w for _, _, w in jobs], threshold

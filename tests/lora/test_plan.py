@@ -28,23 +28,24 @@ def table_with(num_slots: int) -> AdapterTable:
 
 
 def test_a_step_without_adapter_rows_has_no_plan():
-    assert LoraPlanner(None, torch.device("cpu")).plan([None, None], [3, 1], 16) is None
+    assert LoraPlanner(None, torch.device("cpu")).plan([None, None], [3, 1]) is None
 
 
 def test_short_segments_of_several_adapters_take_the_stacked_form_and_long_ones_the_segments():
     planner = LoraPlanner(table_with(2), torch.device("cpu"))
-    short = planner.plan([0, 1, None], [1, 1, 1], 16)
+    assert planner.stacked_rows_per_segment == 16  # the CPU's threshold
+    short = planner.plan([0, 1, None], [1, 1, 1])
     assert short.tokens == [LoraSegment(0, 0, 1), LoraSegment(1, 1, 2)]
     assert short.stack is not None and short.groups["tokens"].num_groups == 2
-    long = planner.plan([0, 1], [20, 1], 16)
+    long = planner.plan([0, 1], [20, 1])
     assert long.stack is None and long.tokens == [LoraSegment(0, 0, 20), LoraSegment(1, 20, 21)]
-    alone = planner.plan([1, 1], [1, 1], 16)  # one adapter: one matmul pair whatever the length
+    alone = planner.plan([1, 1], [1, 1])  # one adapter: one matmul pair whatever the length
     assert alone.stack is None and alone.tokens == [LoraSegment(1, 0, 2)]
     assert not planner.per_row  # the per-row kernels are CUDA's
 
 
 def test_encoder_logits_and_patch_rows_are_segments_of_their_own():
-    plan = LoraPlanner(table_with(2), torch.device("cpu")).plan([1, 0], [1, 1], 16, [1, 0], [5, 2])
+    plan = LoraPlanner(table_with(2), torch.device("cpu")).plan([1, 0], [1, 1], [1, 0], [5, 2])
     assert plan.segments("encoder") == plan.segments("states") == [LoraSegment(1, 0, 5), LoraSegment(0, 5, 7)]
     plan.set_rows("logits", [1, None], [2, 1])
     plan.set_rows("patches", [0], [3])
@@ -57,7 +58,9 @@ def test_apply_adds_each_rows_own_adapter_delta():
     x = torch.randn(3, 4)
     base = layer.base(x)
     for rows_per_segment in (16, 0):  # the stacked form, the segments
-        plan = LoraPlanner(table, torch.device("cpu")).plan([None, 0, 1], [1, 1, 1], rows_per_segment)
+        planner = LoraPlanner(table, torch.device("cpu"))
+        planner.stacked_rows_per_segment = rows_per_segment
+        plan = planner.plan([None, 0, 1], [1, 1, 1])
         assert (plan.stack is not None) == (rows_per_segment > 0)
         got = plan.apply(base.clone(), x, layer)
         for row, slot in ((1, 0), (2, 1)):

@@ -45,7 +45,7 @@ class Harness:
         rid = f"{adapter or 'base'}-{self._ids}"
         self._ids += 1
         r = Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=max_new), 0, self.clock.now)
-        r.adapter_id = adapter
+        r.adapter_key = adapter
         self.s.add(r)
         self.arrived[rid] = self.steps
         return r
@@ -75,15 +75,15 @@ class Harness:
 
     def check(self, out: SchedulerOutput, held_before: list, pins_before: dict) -> None:
         slots = self.s.slots
-        adapters = {i.request.adapter_id for i in out.scheduled if i.request.adapter_id is not None}
+        adapters = {i.request.adapter_key for i in out.scheduled if i.request.adapter_key is not None}
         assert len(adapters) <= slots.num_slots
         for item in out.scheduled:
             r = item.request
-            if r.adapter_id is None:
+            if r.adapter_key is None:
                 assert r.adapter_slot is None
             else:  # it runs from the slot its adapter holds, and that adapter is pinned
-                assert r.adapter_slot == slots.slot_of(r.adapter_id)
-                assert slots.occupant[r.adapter_slot] == r.adapter_id and slots.pins(r.adapter_id) > 0
+                assert r.adapter_slot == slots.slot_of(r.adapter_key)
+                assert slots.occupant[r.adapter_slot] == r.adapter_key and slots.pins(r.adapter_key) > 0
         # An install for each adapter that runs without having held a slot before the step, and
         # otherwise only for one whose slot another adapter took earlier in this same step (it holds
         # no slot when it asks again). Never for an adapter that still holds its slot.
@@ -102,8 +102,8 @@ class Harness:
         # Pins are exactly the running requests of each adapter.
         running: dict[str, int] = {}
         for r in self.s.running:
-            if r.adapter_id is not None:
-                running[r.adapter_id] = running.get(r.adapter_id, 0) + 1
+            if r.adapter_key is not None:
+                running[r.adapter_key] = running.get(r.adapter_key, 0) + 1
         assert {a: slots.pins(a) for a in slots.active if slots.pins(a)} == running
 
     def ids(self, out: SchedulerOutput) -> list[str]:
@@ -244,7 +244,7 @@ def test_distinct_adapters_in_one_step_never_exceed_the_slots():
     h = Harness(num_slots=3)
     requests = [h.add(f"ad{i % 7}", prompt_len=3, max_new=5) for i in range(21)]
     out = h.step()
-    assert {i.request.adapter_id for i in out.scheduled} == {"ad0", "ad1", "ad2"}
+    assert {i.request.adapter_key for i in out.scheduled} == {"ad0", "ad1", "ad2"}
     assert len(out.scheduled) == 9 and [a for _, a in out.installs] == ["ad0", "ad1", "ad2"]
     while h.s.has_unfinished:
         h.step()  # Harness.check asserts the cap on every step
@@ -339,7 +339,7 @@ def test_busy_adapters_yield_their_slots_after_the_cycle_time_and_not_before():
         out = h.step()
         # Before the cycle time passes, the busy adapters keep admitting and c cannot have a slot.
         assert c.status is RequestStatus.WAITING
-        assert {"a", "b"} <= {i.request.adapter_id for i in out.scheduled if i.request.num_computed_tokens == 4}
+        assert {"a", "b"} <= {i.request.adapter_key for i in out.scheduled if i.request.num_computed_tokens == 4}
         waited_until_cycle += 1
     assert waited_until_cycle == 9
     # From now on a and b drain: none of their new requests start until c has a slot, which happens
@@ -363,9 +363,9 @@ def test_busy_adapters_yield_their_slots_after_the_cycle_time_and_not_before():
     while h.s.has_unfinished:
         h.step()
         assert h.steps < 500
-    waits = {r.adapter_id: 0 for r in h.finished}
+    waits = {r.adapter_key: 0 for r in h.finished}
     for r in h.finished:
-        waits[r.adapter_id] = max(waits[r.adapter_id], h.started[r.request_id] - h.arrived[r.request_id])
+        waits[r.adapter_key] = max(waits[r.adapter_key], h.started[r.request_id] - h.arrived[r.request_id])
     assert max(waits.values()) <= 2 * (cycle + 3 + 2), waits
 
 
@@ -377,7 +377,7 @@ def test_rotation_does_not_drain_when_nobody_waits_for_a_slot():
         h.add(None, max_new=3)
         out = h.step()
         # Far past the cycle time, but no adapter is starved: a and b keep admitting.
-        started = {i.request.adapter_id for i in out.scheduled if len(i.request.output_ids) == 1}
+        started = {i.request.adapter_key for i in out.scheduled if len(i.request.output_ids) == 1}
         assert started == {"a", "b", None}
     assert h.s.slots.occupant == ["a", "b"] and not h.s.waiting
 
@@ -427,7 +427,7 @@ def test_no_adapter_waits_forever_under_random_load(seed):
     bound = (rounds + 1) * (cycle + longest + 3)
     assert max(waits) <= bound, (max(waits), bound)
     # Cold adapters did have to wait for a rotation: the test exercised it.
-    assert max(w for w, r in zip(waits, requests) if r.adapter_id in cold) >= cycle
+    assert max(w for w, r in zip(waits, requests) if r.adapter_key in cold) >= cycle
 
 
 def test_eviction_spares_an_adapter_a_waiting_request_wants():

@@ -81,6 +81,6 @@ def test_adapters_alone_and_mixed_match_peft_in_both_forms(served):
     random.Random(1).shuffle(jobs)
     for threshold in (0, 10**6):  # the segmented form, then the stacked form for every decode step
         engine = engine_for(served.ours, served.config, max_active_adapters=len(served.adapters))
-        engine.runner.stacked_rows_per_segment = threshold
+        engine.runner.lora_planner.stacked_rows_per_segment = threshold
         outs = engine.generate([p for p, _, _ in jobs], PARAMS, adapters=[a for _, a, _ in jobs])
         assert [o.token_ids for o in outs] == [w for _, _, w in jobs], threshold
