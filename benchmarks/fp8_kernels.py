@@ -23,7 +23,7 @@ CUDA events (the best replay counts), cycling over enough copies of the weights 
 Reported per call in microseconds, with the FP8 path's bytes (weight, scales, activations, output) per second
 against the H200's 4.8 TB/s (`--peak-tb-s`) and against the measured copy bandwidth; last, the four linears of a
 layer summed (the decode step's linear time at M rows) for bf16, fp8, fp8-torch and fp8-p17, and their ratios.
-Choose the activation quantizer by fp8 vs fp8-torch, the padding (fp8_layers.SCALED_MM_MIN_ROWS) by fp8 vs
+Choose the activation quantizer by fp8 vs fp8-torch, the padding (fp8/layers.py SCALED_MM_MIN_ROWS) by fp8 vs
 fp8-p17, and the FP8 product (ours or torchao's) by fp8 vs torchao.
 `--json PATH` writes every figure.
 """
@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import roofline
-from loraplex.quantization import fp8_numerics as numerics
-from loraplex.quantization.fp8 import quantize_linear
-from loraplex.quantization.fp8_layers import Fp8BlockLinear
+from loraplex.quantization.fp8 import numerics
+from loraplex.quantization.fp8.mode import quantize_linear
+from loraplex.quantization.fp8.layers import Fp8BlockLinear
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 ROWS = (1, 8, 32, 64)

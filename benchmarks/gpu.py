@@ -372,7 +372,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-lens", type=_pair, default=[8, 512], metavar="LO,HI", help="online: prompt lengths")
     p.add_argument("--output-lens", type=_pair, default=[8, 256], metavar="LO,HI", help="online: output lengths")
     p.add_argument("--max-waiting-tokens", type=int, default=EngineConfig.max_waiting_tokens,
-                   help="online: the engine's (engine/joins.py; 0: waiting requests join at every step)")
+                   help="online: the engine's (engine/scheduling/joins.py; 0: waiting requests join at every step)")
     p.add_argument("--kv-tokens", type=int, default=None,
                    help="online: KV cache tokens (default: the engine sizes it from free memory)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")

@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from loraplex.lora.row_maps import LoraSegment
+from loraplex.lora.step.row_maps import LoraSegment
 from loraplex.lora.adapter import LoraAdapter, LoraConfig, LoraWeights
-from loraplex.lora.kernels import PointerTable, add_lora
-from loraplex.lora.kernels.tiles import lora_tiles
-from loraplex.lora.upload import AdapterUploader, laid_out
+from loraplex.lora.step.kernels import PointerTable, add_lora
+from loraplex.lora.step.kernels.tiles import lora_tiles
+from loraplex.lora.device.upload import AdapterUploader, laid_out
 
 DTYPE = torch.bfloat16
 RANK = 16
@@ -59,7 +59,7 @@ def through_triton(*launchers):
 
 
 def sibling_calls(device: torch.device) -> None:
-    from loraplex.lora.kernels import sgmv  # Triton: CUDA only
+    from loraplex.lora.step.kernels import sgmv  # Triton: CUDA only
 
     g = torch.Generator(device=device).manual_seed(0)
     slots = 8

@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from loraplex.lora.row_maps import LoraSegment
+from loraplex.lora.step.row_maps import LoraSegment
 from loraplex.lora.adapter import LoraWeights
-from loraplex.lora.kernels import add_lora, add_lora_stacked
-from loraplex.lora.table import Stack
+from loraplex.lora.step.kernels import add_lora, add_lora_stacked
+from loraplex.lora.device.table import Stack
 
 # (name, in_features, out_features): Llama-3.1-8B's projections and SmolLM2-135M's.
 SHAPES = {

@@ -1,4 +1,4 @@
-"""The per-row LoRA Triton kernels alone (lora/kernels/bgmv.py), eager and replayed in a CUDA graph, with the
+"""The per-row LoRA Triton kernels alone (lora/step/kernels/bgmv.py), eager and replayed in a CUDA graph, with the
 bandwidth they reach over the distinct adapters' bytes: `python -m benchmarks.lora_rows`. CUDA only."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from loraplex.lora.adapter import LoraWeights
-from loraplex.lora.kernels import PointerTable
-from loraplex.lora.upload import laid_out
+from loraplex.lora.step.kernels import PointerTable
+from loraplex.lora.device.upload import laid_out
 
 CASES = [(1, 1), (32, 8), (64, 64)]  # (rows, distinct adapters)
 SHAPES = [(4096, 14336), (14336, 4096), (4096, 1024)]  # Llama-3.1-8B's up, down and k/v projections
@@ -28,7 +28,7 @@ def microseconds(fn, calls: int = 50) -> float:
 
 
 def main() -> None:
-    from loraplex.lora.kernels.bgmv import add_lora_rows
+    from loraplex.lora.step.kernels.bgmv import add_lora_rows
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     for rows, distinct in CASES:

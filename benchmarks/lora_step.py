@@ -4,7 +4,7 @@
 32 layers of q/k/v, o, gate/up and down products over 64 rows, each row its own rank-16 adapter on all seven
 projections (64 distinct adapters, each in one flat buffer as installs lay them out, so a layer's reads are spread
 over 64 buffers as in the engine). Replayed: the products alone, then with the deltas added after each product
-(`add_lora_rows_siblings`), then with each shrink beside its product (`lora/beside.py`). The LoRA time is the
+(`add_lora_rows_siblings`), then with each shrink beside its product (`lora/step/beside.py`). The LoRA time is the
 difference from the products alone, against the adapters' bytes.
 """
 
@@ -15,8 +15,8 @@ import os
 import torch
 
 from loraplex.lora.adapter import LoraWeights
-from loraplex.lora.beside import shrink_beside
-from loraplex.lora.kernels import PointerTable
+from loraplex.lora.step.beside import shrink_beside
+from loraplex.lora.step.kernels import PointerTable
 
 HIDDEN, KV, FFN, RANK, ROWS, LAYERS, ADAPTERS = 4096, 1024, 14336, 16, 64, 32, 64
 # (group, input features, its layers' widths): one product each
@@ -48,7 +48,7 @@ def build(device: torch.device, dtype: torch.dtype):
 
 
 def step(layers, mode: str, xs, outs, row_slots) -> None:
-    from loraplex.lora.kernels.bgmv import add_lora_rows_siblings  # Triton: CUDA only
+    from loraplex.lora.step.kernels.bgmv import add_lora_rows_siblings  # Triton: CUDA only
 
     for weights, tables in layers:
         for g, _, widths in GROUPS:

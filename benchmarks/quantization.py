@@ -22,7 +22,7 @@ ratio to bf16's same workload; at one request also the roofline for that setting
 weights read once a step, an untied embedding's rows only, plus the KV cache at the average context, at the measured
 copy bandwidth) and the share of it reached.
 
-On CUDA `--quantize bitsandbytes` multiplies bitsandbytes' int8 weights weight-only (bnb_layers), CUDA graphs on;
+On CUDA `--quantize bitsandbytes` multiplies bitsandbytes' int8 weights weight-only (bnb/layers.py), CUDA graphs on;
 elsewhere it is LLM.int8, which decodes without graphs.
 """
 
@@ -138,7 +138,7 @@ def _round_to_w4a16(model: torch.nn.Module, device: torch.device, dtype: torch.d
     """Every linear --quantize would quantize, as the W4A16 layer GPTQ/AWQ checkpoints load into (rounded to
     nearest: the kernels' speed does not depend on how the integers were chosen)."""
     from loraplex.quantization import default_skip
-    from loraplex.quantization.w4a16 import W4A16Linear
+    from loraplex.quantization.w4a16.mode import W4A16Linear
 
     skip = default_skip(model)
     names = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and not skip(n)]

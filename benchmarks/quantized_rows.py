@@ -23,10 +23,11 @@ import torch
 from torch.nn import functional as F
 
 from benchmarks.graph_timing import graph_time_us, weight_copies
-from loraplex.quantization import w4a16_rows, w4a16_triton, weight_only
-from loraplex.quantization.fp8 import quantize_linear
+from loraplex.quantization import weight_only
+from loraplex.quantization.w4a16 import kernels as w4a16_triton, rows as w4a16_rows
+from loraplex.quantization.fp8.mode import quantize_linear
 from loraplex.quantization.split_k import split_counters
-from loraplex.quantization.w4a16 import pack_int4, quantize_groups
+from loraplex.quantization.w4a16.mode import pack_int4, quantize_groups
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
 DTYPE = torch.bfloat16
@@ -58,7 +59,7 @@ class Linear:
             import bitsandbytes
         except ImportError:
             return
-        from loraplex.quantization.bitsandbytes import quantized_linear
+        from loraplex.quantization.bnb.mode import quantized_linear
 
         int8 = quantized_linear(bitsandbytes, _linear_of(weight), "bitsandbytes", torch.device("cuda"), DTYPE)
         self.int8, self.int8_reference = weight_copies([int8.weight.data, int8.weight_scale.data]), int8.dequantized().t()

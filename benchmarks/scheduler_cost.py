@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from loraplex.engine.joins import WaitingJoins
-from loraplex.engine.request import Request
-from loraplex.engine.scheduler import Scheduler, SchedulerConfig
+from loraplex.engine.scheduling.joins import WaitingJoins
+from loraplex.engine.requests.request import Request
+from loraplex.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from loraplex.params import SamplingParams
 
 

@@ -1,7 +1,7 @@
 """W4A16 kernels against bf16 on Llama-3.1-8B's linears: `python -m benchmarks.w4a16_kernels` (CUDA).
 
 For each linear (4096->4096, 4096->1024, 4096->14336, 14336->4096) and M rows (default 1, 8, 32, 64), groups of 128
-with zero points: bf16 `F.linear`, our Triton dequantize-GEMM (loraplex.quantization.w4a16_triton) and PyTorch's
+with zero points: bf16 `F.linear`, our Triton dequantize-GEMM (loraplex.quantization.w4a16.kernels) and PyTorch's
 tinygemm (`_weight_int4pack_mm`). Each call is timed inside a CUDA graph (as decode runs), over enough copies of the
 weights that they never sit in L2 (so every call reads its weight from HBM), replayed until tens of milliseconds
 have passed. Printed: microseconds per call, the weight bytes read per second (scales and zeros included) and its
@@ -26,9 +26,9 @@ import torch
 from torch.nn import functional as F
 
 from benchmarks.graph_timing import graph_time_us, weight_copies
-from loraplex.quantization import w4a16_tinygemm, w4a16_triton
+from loraplex.quantization.w4a16 import kernels as w4a16_triton, tinygemm as w4a16_tinygemm
 from loraplex.quantization.split_k import split_counters
-from loraplex.quantization.w4a16 import pack_int4, quantize_groups
+from loraplex.quantization.w4a16.mode import pack_int4, quantize_groups
 
 # (name, in_features, out_features, how many a Llama-3.1-8B layer has)
 SHAPES = [("qo", 4096, 4096, 2), ("kv", 4096, 1024, 2), ("gate_up", 4096, 14336, 2), ("down", 14336, 4096, 1)]

@@ -278,7 +278,7 @@ class EngineConfig:
         help="share computed KV blocks between requests with the same prompt prefix, adapter and images (on by "
              "default; outputs are unchanged)")
     # CUDA (with Triton): decode steps of up to max_num_seqs (at most 256) requests replay CUDA graphs
-    # (engine/decode_graphs.py). Off: every step runs eagerly (vLLM's --enforce-eager). No effect on CPU.
+    # (engine/worker/decode_graphs.py). Off: every step runs eagerly (vLLM's --enforce-eager). No effect on CPU.
     cuda_graphs: bool = setting(
         True, action="negatable",
         help="on CUDA, replay decode steps as CUDA graphs (on by default; --no-cuda-graphs runs every step eagerly; "
@@ -289,7 +289,7 @@ class EngineConfig:
         action="negatable",
         help="before serving, run made-up requests that compile the kernels and capture the decode graphs, so the "
              "first requests do not wait for them (default: on CUDA only)")
-    # Overlapped decode steps (engine/overlap.py): the next step is launched before the host reads the last one's
+    # Overlapped decode steps (engine/worker/overlap.py): the next step is launched before the host reads the last one's
     # tokens, so the host's work runs while the GPU computes. None: where decode steps run as CUDA graphs and
     # speculative decoding is off. True on a CPU runs the same bookkeeping with eager steps (no gain; for tests).
     overlap_steps: bool | None = setting(
@@ -298,7 +298,7 @@ class EngineConfig:
              "outputs unchanged)")
     # Where decode steps replay CUDA graphs, waiting requests join running ones only after this many steps
     # without a join, or once the queue is `waiting_served_ratio` times the running requests, or when a step
-    # runs eagerly anyway (engine/joins.py; LoRAX's --max-waiting-tokens and --waiting-served-ratio). Elsewhere
+    # runs eagerly anyway (engine/scheduling/joins.py; LoRAX's --max-waiting-tokens and --waiting-served-ratio). Elsewhere
     # they join at every step. 0: at every step.
     max_waiting_tokens: int = setting(
         20, type=_non_negative,
@@ -387,7 +387,7 @@ class ServerConfig:
         (), nargs="+", help="adapters (of --adapter-source) loaded at start and listed by /v1/models")
     max_cpu_adapters: int = setting(64, type=int,
                                     help="loaded adapters kept in host memory besides the preloaded ones (LRU)")
-    # lora/hub_source.py
+    # lora/sources/hub_source.py
     adapter_access_ttl_s: float = setting(
         30.0, type=float,
         help="how long the hub's answer on whether a request's api_token may read a hub adapter is reused for "

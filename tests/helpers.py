@@ -17,15 +17,15 @@ from loraplex.checkpoints.weights import load_state_dict
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.loading import LoadedModel, build_model
-from loraplex.engine.request import Request
-from loraplex.engine.runner import ModelRunner
-from loraplex.engine.scheduler import ScheduledRequest
+from loraplex.engine.requests.request import Request
+from loraplex.engine.worker.runner import ModelRunner
+from loraplex.engine.scheduling.scheduler import ScheduledRequest
 from loraplex.layers.forward_context import ForwardContext, forward_context
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.models.registry import config_from_hf
-from loraplex.lora.plan import LoraPlan
-from loraplex.lora.row_maps import LoraSegment
-from loraplex.lora.table import AdapterTable
+from loraplex.lora.step.plan import LoraPlan
+from loraplex.lora.step.row_maps import LoraSegment
+from loraplex.lora.device.table import AdapterTable
 from loraplex.params import SamplingParams
 
 
@@ -326,7 +326,7 @@ def image_model_logits(engine, token_ids: list[int], images=None) -> torch.Tenso
 
 
 def counting_launches(engine) -> dict[str, int]:
-    """Counts the engine's launched decode steps (engine/overlap.py), and those chained to a step still in flight."""
+    """Counts the engine's launched decode steps (engine/worker/overlap.py), and those chained to a step still in flight."""
     counts = {"launched": 0, "chained": 0}
     launch = engine.runner.launch
 

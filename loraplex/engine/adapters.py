@@ -1,8 +1,8 @@
 """The engine's adapters: which adapters the engine's requests use (with how many requests use each), their
 installs into device slots at the start of a step, the staging of the next ones, and eviction.
 
-The scheduler decides which adapter gets which slot (lora/residency.py); this module carries it out on the
-device (lora/table.py). A failed install is returned as a decision ("fail these adapters' requests") for
+The scheduler decides which adapter gets which slot (lora/device/residency.py); this module carries it out on the
+device (lora/device/table.py). A failed install is returned as a decision ("fail these adapters' requests") for
 the engine to act on: this module never touches requests' state.
 """
 
@@ -12,10 +12,10 @@ import itertools
 import logging
 from collections.abc import Iterable
 
-from loraplex.engine.request import Request
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.requests.request import Request
+from loraplex.engine.scheduling.scheduler import Scheduler
 from loraplex.lora.adapter import LoraAdapter
-from loraplex.lora.table import AdapterTable
+from loraplex.lora.device.table import AdapterTable
 
 STAGE_LOOKAHEAD = 256  # waiting requests looked through for the adapters to stage next
 
@@ -30,7 +30,7 @@ class EngineAdapters:
         self.in_use: dict[str, tuple[LoraAdapter, int]] = {}
 
     def use(self, adapter: LoraAdapter) -> None:
-        """One more request uses `adapter` (checked against the model already: engine/inputs.py)."""
+        """One more request uses `adapter` (checked against the model already: engine/requests/inputs.py)."""
         _, users = self.in_use.get(adapter.key, (adapter, 0))
         self.in_use[adapter.key] = (adapter, users + 1)
 
@@ -70,7 +70,7 @@ class EngineAdapters:
 
     def stage_next_installs(self) -> None:
         """Have the adapters that the waiting queue wants next, and no slot holds, laid out ahead of their
-        installs (lora/staging.py); in queue order, as the scheduler admits. The queue is read only as far as the
+        installs (lora/device/staging.py); in queue order, as the scheduler admits. The queue is read only as far as the
         staging budget reaches (repeats are yielded; `stage_ahead` skips them). Nothing to do for a base-model
         queue with nothing staged."""
         if not ((self.in_use and self.scheduler.waiting) or self.lora.staged):

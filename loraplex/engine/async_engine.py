@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from loraplex.engine.engine import Engine
-from loraplex.engine.output import RequestOutput
-from loraplex.engine.request import RequestRefused
+from loraplex.engine.requests.output import RequestOutput
+from loraplex.engine.requests.request import RequestRefused
 from loraplex.engine.served_model import ServedModel
 from loraplex.engine.stats import EngineStats
 from loraplex.lora.adapter import LoraAdapter

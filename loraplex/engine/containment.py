@@ -13,7 +13,7 @@ written): it is requeued, not failed, and recomputes them later (see `StepResult
 Running a request again is safe because a step changes no request state (asserted below):
 - KV: an attempt writes the keys and values of positions >= num_computed_tokens only; the next attempt zeroes
   the blocks it writes that are fresh this step and writes them again.
-- Sampling: a row's draw is keyed by (request seed, len(output_ids)) (sampling.py), not by its batch or by
+- Sampling: a row's draw is keyed by (request seed, len(output_ids)) (engine/sampling/sampler.py), not by its batch or by
   how often it ran, so a seeded request draws the same token on any attempt.
 - Grammar matchers advance only in `Engine._append_token`, after the step; the runner reads them (masks) or
   advances copies (drafts).
@@ -26,8 +26,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from loraplex.engine.runner import StepResult
-from loraplex.engine.scheduler import ScheduledRequest
+from loraplex.engine.worker.runner import StepResult
+from loraplex.engine.scheduling.scheduler import ScheduledRequest
 
 log = logging.getLogger(__name__)
 

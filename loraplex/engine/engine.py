@@ -1,9 +1,11 @@
 """The engine: `step()` = schedule -> install adapters -> run -> update.
 
 Synchronous and single-threaded; `AsyncEngine` drives it from a background thread for the server. With
-overlapped steps (overlap.py) `step` is the overlapped loop instead: launch this step, then land the previous.
-The step's parts live beside it: every request check (inputs.py), adapter use and installs (adapters.py), output
-processing (output.py), memory sizing (memory.py), fault containment (containment.py).
+overlapped steps (worker/overlap.py) `step` is the overlapped loop instead: launch this step, then land the
+previous. The step's parts live in rooms beside it: requests/ (the request, every input check, outputs),
+scheduling/ (scheduler, KV blocks, prefix cache), worker/ (batch, model call, graphs, overlap), sampling/ (the
+logits pipeline); and here adapter use and installs (adapters.py), memory sizing (memory.py), fault containment
+(containment.py).
 """
 
 from __future__ import annotations
@@ -19,26 +21,26 @@ import torch
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.containment import execute_contained, failed_install_results
 from loraplex.engine.adapters import EngineAdapters
-from loraplex.engine.decode_graphs import BATCH_SIZES as GRAPH_BATCH_SIZES
-from loraplex.engine.grammar_masks import GrammarMasks
-from loraplex.engine.inputs import GrammarCache, InputLimits, InputProcessor, ProcessedInputs
-from loraplex.engine.joins import WaitingJoins
+from loraplex.engine.worker.decode_graphs import BATCH_SIZES as GRAPH_BATCH_SIZES
+from loraplex.engine.sampling.grammar_masks import GrammarMasks
+from loraplex.engine.requests.inputs import GrammarCache, InputLimits, InputProcessor, ProcessedInputs
+from loraplex.engine.scheduling.joins import WaitingJoins
 from loraplex.engine.loading import LoadedModel, load_model
 from loraplex.engine.memory import kv_cache_blocks, kv_cache_dtype
-from loraplex.engine.output import OutputProcessor, RequestOutput, Stream, failed_output
-from loraplex.engine.overlap import InFlight, drop_placeholders, in_flight
-from loraplex.engine.prefix_cache import root_key
-from loraplex.engine.request import Request
-from loraplex.engine.logits import ForcedTokens
-from loraplex.engine.runner import GraphSettings, ModelRunner, StepResult
-from loraplex.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from loraplex.engine.requests.output import OutputProcessor, RequestOutput, Stream, failed_output
+from loraplex.engine.worker.overlap import InFlight, drop_placeholders, in_flight
+from loraplex.engine.scheduling.prefix_cache import root_key
+from loraplex.engine.requests.request import Request
+from loraplex.engine.sampling.logits import ForcedTokens
+from loraplex.engine.worker.runner import GraphSettings, ModelRunner, StepResult
+from loraplex.engine.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from loraplex.engine.served_model import ServedModel
-from loraplex.engine.speculative import SpecDecodeCounters, propose_drafts
+from loraplex.engine.sampling.speculative import SpecDecodeCounters, propose_drafts
 from loraplex.engine.stats import AdapterTargets, EngineStats, engine_stats
-from loraplex.engine.verification import SampledToken
+from loraplex.engine.sampling.verification import SampledToken
 from loraplex.engine.warm_up import WarmUpReport, warm_up
 from loraplex.lora.adapter import LoraAdapter
-from loraplex.lora.table import AdapterTable
+from loraplex.lora.device.table import AdapterTable
 from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.params import FinishReason, GrammarSpec, SamplingParams
 from loraplex.quantization import graph_blocker
@@ -197,7 +199,7 @@ class Engine:
     ) -> Request:
         """Queue a request; `adapter` (loaded, e.g. by an AdapterStore) or None for the base model;
         `images` for a model that takes them (already expanded into placeholder tokens in the prompt).
-        Raises RequestRefused (engine/inputs.py) when the request cannot be served as asked."""
+        Raises RequestRefused (engine/requests/inputs.py) when the request cannot be served as asked."""
         return self._queue(self.inputs.process(prompt_ids, params, adapter, images), request_id)
 
     def _queue(self, inputs: ProcessedInputs, request_id: str | None) -> Request:

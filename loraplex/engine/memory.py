@@ -7,8 +7,8 @@ import os
 import torch
 
 from loraplex.config import EngineConfig, ModelConfig
-from loraplex.engine.decode_graphs import BATCH_SIZES as GRAPH_BATCH_SIZES
-from loraplex.engine.kv_cache import blocks_for
+from loraplex.engine.worker.decode_graphs import BATCH_SIZES as GRAPH_BATCH_SIZES
+from loraplex.engine.scheduling.kv_cache import blocks_for
 from loraplex.engine.loading import LoadedModel
 from loraplex.layers.kv_quant import resolve_kv_cache_dtype
 

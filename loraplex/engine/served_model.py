@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.config import EngineConfig
-from loraplex.engine.inputs import InputLimits
+from loraplex.engine.requests.inputs import InputLimits
 from loraplex.engine.stats import AdapterTargets
 
 

@@ -55,4 +55,4 @@ class AdapterTargets:
     base_shapes: dict[str, tuple[int, int]]  # LoRA-wrapped module -> (in_features, out_features)
     max_rank: int
     base_weight: Callable[[str], torch.Tensor]  # a module's base weight (merges and checks read it)
-    checkpoint_name: object | None  # the model's layout mapping, for adapters of another layout (lora/store.py)
+    checkpoint_name: object | None  # the model's layout mapping, for adapters of another layout (lora/sources/store.py)

@@ -2,7 +2,7 @@
 work a process does once lands before serving rather than in its first users' requests: Triton compiles the
 kernels (or loads them from its disk cache) for the shapes the steps take, the attention paths probe what the
 device supports (layers/kernels/varlen_prefill.py), and the decode graphs are captured at every batch size, over
-an adapter and without (engine/decode_graphs.py). TGI and LoRAX warm up likewise.
+an adapter and without (engine/worker/decode_graphs.py). TGI and LoRAX warm up likewise.
 
 The requests: two long prompts, over the made-up adapter and without, together longer than a step's prompt budget
 (so one is chunked and resumed over its cached context), then at every graph batch size that many short prompts

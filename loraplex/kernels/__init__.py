@@ -1,4 +1,4 @@
-"""What every Triton kernel of the package shares, below both `layers/kernels` and `lora/kernels` (neither imports
+"""What every Triton kernel of the package shares, below both `layers/kernels` and `lora/step/kernels` (neither imports
 the other): whether Triton can run, and the direct launcher (launch.py)."""
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from loraplex.layers.prefill_runs import fresh_prompts, put_rows, resumed_prompt
 
 class AttentionBackend(Protocol):
     # Whether decode rows are attended over keys padded to their group's longest (then the runner groups them by
-    # length, engine/runner.py) rather than read from the paged cache in place, any lengths in one launch.
+    # length, engine/worker/runner.py) rather than read from the paged cache in place, any lengths in one launch.
     pads_decode_groups: bool
 
     def allocate_kv_cache(
@@ -137,7 +137,7 @@ class TorchAttentionBackend:
             return
         device = kv_caches[0][0].device
         # Pinned and copied asynchronously on CUDA: a blocking copy would wait for the steps in flight (the engine
-        # launches decode steps ahead, engine/overlap.py), and the GPU would then wait for the host.
+        # launches decode steps ahead, engine/worker/overlap.py), and the GPU would then wait for the host.
         index = torch.tensor(list(block_ids), dtype=torch.long, pin_memory=device.type == "cuda")
         index = index.to(device, non_blocking=True)
         pool = self._pool_of(kv_caches)

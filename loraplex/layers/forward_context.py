@@ -97,7 +97,7 @@ class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[Any]  # per attention layer, in the backend's own layout
     backend: Any  # an AttentionBackend
-    # The step's LoRA plan (lora/plan.py), opaque here: only the LoRA layers read it. None: no adapter in this step.
+    # The step's LoRA plan (lora/step/plan.py), opaque here: only the LoRA layers read it. None: no adapter in this step.
     lora: object | None = None
     # The eager pass before a CUDA graph capture: layers take the kernels the capture will (compiling them first).
     graph_warm_up: bool = False

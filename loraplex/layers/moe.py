@@ -7,7 +7,7 @@ The experts' weights are stacked, one 3-D tensor per product as transformers 5 h
 so that a grouped kernel reads every expert from one tensor. `grouped_product` is where such a kernel plugs in.
 
 The experts take an optional `ExpertTerms`: terms added to each grouped product's output, pair by pair (the LoRA
-layer adds each pair's adapter delta for that pair's expert; lora/experts.py). This module knows nothing of
+layer adds each pair's adapter delta for that pair's expert; lora/step/experts.py). This module knows nothing of
 adapters.
 """
 

@@ -10,7 +10,7 @@ A linear that keeps its own product (a quantized one) fuses with same-kind sibli
 `fuse_siblings(linears) -> layer | None`: one layer of that kind computing the siblings' concatenated outputs
 (their tensors become views of its own), which `project` then calls instead of the plain product.
 
-The siblings may be wrapped (the LoRA layer, lora/layers.py) by a `LinearWrapper`, the one seam between them:
+The siblings may be wrapped (the LoRA layer, lora/step/layers.py) by a `LinearWrapper`, the one seam between them:
 `project` hands the wrapper of the siblings the fused product to run (`around_product`), and the wrapper adds its
 own terms to the outputs (and may start work that needs only the input before the product).
 """

@@ -9,7 +9,7 @@ r / alpha taken from `rank_pattern` / `alpha_pattern` when a pattern matches the
 `target_parameters` (PEFT's LoRA on a parameter, `ParamWrapper`) is served where it is a linear's weight (e.g. a
 mixture of experts' router `gate.weight`: the same delta as a LoRA on the linear, its rank and scale those of the
 parameter's name) and on the stacked experts' `gate_up_proj` / `down_proj`, cut into each expert's projections
-(lora/expert_slices.py).
+(lora/step/expert_slices.py).
 
 What we do not serve is refused with a message naming the field or tensor, never silently ignored.
 """
@@ -31,7 +31,7 @@ import torch
 from loraplex.checkpoints.json_files import JsonFileError, read_json_object
 from loraplex.lora.errors import AdapterError, AdapterInvalid, AdapterNotFound
 import loraplex.lora.config_fields as fields
-from loraplex.lora.expert_slices import STACKED_PARAMETERS, is_stacked_experts, stacked_parameter_loras
+from loraplex.lora.step.expert_slices import STACKED_PARAMETERS, is_stacked_experts, stacked_parameter_loras
 from loraplex.lora.layout import Layout
 from loraplex.lora.packed import PackedModules
 from loraplex.lora.weights import LoraWeights

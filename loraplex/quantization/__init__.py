@@ -27,7 +27,7 @@ import functools
 import warnings
 from typing import TYPE_CHECKING, Callable
 
-from loraplex.quantization import bitsandbytes as bitsandbytes_mode
+from loraplex.quantization.bnb import mode as bitsandbytes_mode
 from loraplex.quantization.errors import QuantizationError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads QUANTIZE_CHOICES without paying for it
@@ -50,7 +50,7 @@ def check_quantize(mode: str, device: torch.device | str, dtype: torch.dtype | N
     if mode not in QUANTIZE_CHOICES:
         raise QuantizationError(f"unknown --quantize {mode!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
     if mode == FP8_MODE:
-        from loraplex.quantization import fp8
+        from loraplex.quantization.fp8 import mode as fp8
 
         fp8.check(torch.device(device), dtype)  # raises QuantizationError where FP8 cannot run
         return
@@ -126,7 +126,7 @@ def quantize_model(
     if mode not in QUANTIZE_CHOICES:
         raise QuantizationError(f"unknown --quantize {mode!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
     if mode == FP8_MODE:
-        from loraplex.quantization import fp8
+        from loraplex.quantization.fp8 import mode as fp8
 
         quantized_linear = lambda linear: fp8.quantize_linear(linear, device, compute_dtype)  # noqa: E731
     else:

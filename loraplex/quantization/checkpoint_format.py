@@ -21,7 +21,8 @@ from loraplex.quantization.errors import QuantizationError
 
 
 def _detectors() -> list[Callable[[dict], CheckpointFormat | None]]:
-    from loraplex.quantization import fp8, w4a16_formats
+    from loraplex.quantization.fp8 import mode as fp8
+    from loraplex.quantization.w4a16 import formats as w4a16_formats
 
     return [fp8.detect, w4a16_formats.detect]
 

@@ -1,5 +1,5 @@
 """The weight-only product of few rows (decode) in Triton: out [M, N] = x [M, K] @ (w [N, K] * scale[N]).T + bias,
-the 8-bit weight widened as it is read (x is not quantized): FP8 e4m3 (fp8_layers) or int8 (bnb_layers:
+the 8-bit weight widened as it is read (x is not quantized): FP8 e4m3 (fp8/layers.py) or int8 (bnb/layers.py:
 bitsandbytes' 8-bit weights), one float32 scale per output channel.
 
 cuBLASLt's FP8 `_scaled_mm` reads a decode step's weight at a fraction of the memory bandwidth (benchmarks/fp8_kernels

@@ -12,7 +12,7 @@ from loraplex import __version__
 from loraplex.config import ServerConfig
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.stats import AdapterTargets
-from loraplex.lora.store import AdapterStore
+from loraplex.lora.sources.store import AdapterStore
 from loraplex.protocol.openai import checked_sampling_defaults
 from loraplex.server import native, openai_routes, playground
 from loraplex.server.docs import mount_docs

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loraplex.engine.request import RequestRefused
+from loraplex.engine.requests.request import RequestRefused
 from loraplex.lora.adapter import AdapterInvalid, AdapterNotFound
 from loraplex.lora.errors import AdapterSourceUnavailable
 from loraplex.server.validation import InputTooLong

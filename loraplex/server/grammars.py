@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from loraplex.engine.request import RequestRefused
+from loraplex.engine.requests.request import RequestRefused
 from loraplex.params import GrammarSpec
 from loraplex.server.errors import BadRequest
 from loraplex.server.state import ServerState

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 
 from loraplex.multimodal.image_inputs import ImageInputs
-from loraplex.engine.inputs import ImagesWithoutPlaceholders
-from loraplex.engine.request import RequestRefused
+from loraplex.engine.requests.inputs import ImagesWithoutPlaceholders
+from loraplex.engine.requests.request import RequestRefused
 from loraplex.multimodal import load_images
 from loraplex.server.errors import BadRequest
 from loraplex.server.state import ServerState

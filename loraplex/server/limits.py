@@ -1,9 +1,9 @@
 """The edge's size limits, shared by the native and OpenAI routes: the engine's input processor checks
-(engine/inputs.py), its refusals said in the request's own field names; messages name the limit and its value."""
+(engine/requests/inputs.py), its refusals said in the request's own field names; messages name the limit and its value."""
 
 from __future__ import annotations
 
-from loraplex.engine.inputs import PromptEmpty, PromptTooLong, SequenceTooLong
+from loraplex.engine.requests.inputs import PromptEmpty, PromptTooLong, SequenceTooLong
 from loraplex.server.errors import BadRequest
 from loraplex.server.state import ServerState
 

@@ -20,7 +20,7 @@ from loraplex.params import FinishReason
 from loraplex.server import request_log
 
 if TYPE_CHECKING:
-    from loraplex.engine.output import RequestOutput
+    from loraplex.engine.requests.output import RequestOutput
     from loraplex.engine.stats import EngineStats
     from loraplex.server.admission import Admission
 

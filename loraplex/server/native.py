@@ -13,9 +13,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loraplex import __version__
-from loraplex.engine.output import RequestOutput
+from loraplex.engine.requests.output import RequestOutput
 from loraplex.lora.adapter import LoraAdapter
-from loraplex.lora.store import MergeSpec
+from loraplex.lora.sources.store import MergeSpec
 from loraplex.params import SamplingParams
 from loraplex.protocol.native import (
     BestOfSequence,

@@ -18,7 +18,7 @@ from typing import TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from loraplex.engine.output import RequestOutput
+from loraplex.engine.requests.output import RequestOutput
 from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.params import SamplingParams, TokenInfo

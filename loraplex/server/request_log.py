@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 from loraplex.server import tracing
 
 if TYPE_CHECKING:
-    from loraplex.engine.output import RequestOutput
+    from loraplex.engine.requests.output import RequestOutput
 
 log = logging.getLogger("loraplex.requests")
 MAX_REQUEST_ID = 128  # longer (or unprintable) x-request-id headers are replaced by our own id

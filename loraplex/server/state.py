@@ -18,11 +18,11 @@ from fastapi import Request
 
 from loraplex.config import ServerConfig
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.output import RequestOutput
+from loraplex.engine.requests.output import RequestOutput
 from loraplex.engine.served_model import ServedModel
 from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.lora.adapter import LoraAdapter
-from loraplex.lora.store import AdapterStore, MergeSpec
+from loraplex.lora.sources.store import AdapterStore, MergeSpec
 from loraplex.params import SamplingParams, TokenInfo
 from loraplex.server.admission import Admission, Seat
 from loraplex.server.metrics import BASE_ADAPTER, Metrics

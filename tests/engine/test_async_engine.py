@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.request import RequestRefused
+from loraplex.engine.requests.request import RequestRefused
 from loraplex.params import SamplingParams
 
 

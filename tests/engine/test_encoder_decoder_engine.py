@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from loraplex.engine.request import RequestRefused
-from loraplex.engine.kv_cache import blocks_for
+from loraplex.engine.requests.request import RequestRefused
+from loraplex.engine.scheduling.kv_cache import blocks_for
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for, hf_seq2seq_greedy, load_ours, tiny_t5
 

@@ -11,8 +11,8 @@ import pytest
 
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
-from loraplex.lora.table import AdapterTable
-from loraplex.lora.store import AdapterStore
+from loraplex.lora.device.table import AdapterTable
+from loraplex.lora.sources.store import AdapterStore
 from loraplex.params import GrammarSpec, SamplingParams
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "examples" / "adapters"

@@ -13,12 +13,12 @@ import torch
 
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
-from loraplex.engine.kv_cache import blocks_for
+from loraplex.engine.scheduling.kv_cache import blocks_for
 from loraplex.engine.loading import LoadedModel
 from loraplex.engine.memory import kv_cache_blocks
-from loraplex.engine.request import Request
-from loraplex.engine.runner import ModelRunner
-from loraplex.engine.scheduler import ScheduledRequest
+from loraplex.engine.requests.request import Request
+from loraplex.engine.worker.runner import ModelRunner
+from loraplex.engine.scheduling.scheduler import ScheduledRequest
 from loraplex.layers.attention import TorchAttentionBackend
 from loraplex.layers.forward_context import ForwardContext, forward_context
 from loraplex.layers.kv_quant import FP8_KV_DTYPE, KVCacheDtypeError, resolve_kv_cache_dtype, set_kv_scales

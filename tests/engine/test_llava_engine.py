@@ -107,7 +107,7 @@ def test_chunked_prefill_splitting_placeholders_and_preemption_change_nothing(ll
 
 
 def test_text_requests_do_not_take_images(llava, requests):
-    from loraplex.engine.request import RequestRefused
+    from loraplex.engine.requests.request import RequestRefused
     from tests.helpers import ours_from_hf, tiny_hf_model
 
     text_model, text_config = ours_from_hf(tiny_hf_model("llama"))

@@ -82,7 +82,7 @@ def run(engine, jobs, adapters=None, params=PARAMS):
 
 
 def test_adapter_module_kinds(mllama, adapters):
-    from loraplex.lora.layers import row_kind
+    from loraplex.lora.step.layers import row_kind
     from loraplex.models.mllama import MllamaForConditionalGeneration
 
     adapter, _ = adapters["all"]

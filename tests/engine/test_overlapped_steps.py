@@ -1,4 +1,4 @@
-"""Overlapped decode steps (engine/overlap.py), on the CPU's eager steps (`overlap_steps=True`; CUDA graphs take the
+"""Overlapped decode steps (engine/worker/overlap.py), on the CPU's eager steps (`overlap_steps=True`; CUDA graphs take the
 same path on a GPU, tests/gpu/test_gpu_decode_graphs.py): each request gets the tokens it gets alone, whatever ends
 it (length, a stop token, a stop sequence) and whatever else happens while its token is being computed (requests
 arriving, a sampled request joining, an abort, a preemption); placeholders never reach an output or the prefix
@@ -10,8 +10,8 @@ import pathlib
 
 import pytest
 
-from loraplex.engine.overlap import PENDING
-from loraplex.lora.store import AdapterStore
+from loraplex.engine.worker.overlap import PENDING
+from loraplex.lora.sources.store import AdapterStore
 from loraplex.params import SamplingParams
 from tests.helpers import counting_launches
 

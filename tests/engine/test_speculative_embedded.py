@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.grammar_masks import apply_grammar_masks, apply_masks
-from loraplex.engine.speculative import drafts_within_grammar
-from loraplex.lora.store import AdapterStore
+from loraplex.engine.sampling.grammar_masks import apply_grammar_masks, apply_masks
+from loraplex.engine.sampling.speculative import drafts_within_grammar
+from loraplex.lora.sources.store import AdapterStore
 from loraplex.params import GrammarSpec, SamplingParams
 from loraplex.server.metrics import Metrics
 from tests.engine.speculation import StepLog, run_to_end

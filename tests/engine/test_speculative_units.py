@@ -8,12 +8,12 @@ import random
 
 import torch
 
-from loraplex.engine.request import Request
-from loraplex.engine.scheduler import Scheduler, SchedulerConfig
-from loraplex.engine.speculative import draft_limit, propose
-from loraplex.engine.verification import accepted_prefix, sample_verified
+from loraplex.engine.requests.request import Request
+from loraplex.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from loraplex.engine.sampling.speculative import draft_limit, propose
+from loraplex.engine.sampling.verification import accepted_prefix, sample_verified
 from loraplex.params import SamplingParams
-from loraplex.sampling import Sampler
+from loraplex.engine.sampling.sampler import Sampler
 from tests.engine.speculation import chi_square_p_value
 
 # ---- proposer ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
-from loraplex.engine.request import RequestRefused
+from loraplex.engine.requests.request import RequestRefused
 from loraplex.params import FinishReason, GrammarSpec, SamplingParams
 
 SCHEMA = {

@@ -19,11 +19,11 @@ import pytest
 from loraplex.config import EngineConfig
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import Engine
-from loraplex.engine.request import RequestRefused
+from loraplex.engine.requests.request import RequestRefused
 from loraplex.params import FinishReason
-from loraplex.lora.store import AdapterStore
+from loraplex.lora.sources.store import AdapterStore
 from loraplex.params import GrammarSpec, SamplingParams
-from loraplex.engine.grammars import Grammars
+from loraplex.engine.requests.grammars import Grammars
 
 ADAPTERS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "adapters"
 

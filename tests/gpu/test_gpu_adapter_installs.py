@@ -1,19 +1,19 @@
-"""Adapter installs while a step is in flight (engine/overlap.py installs the next step's adapters then): the host
+"""Adapter installs while a step is in flight (engine/worker/overlap.py installs the next step's adapters then): the host
 never waits for the device, the copy runs on the uploader's side stream, and the next step on the main stream
-reads the new weights, however long the copy takes (lora/upload.py, `PointerTable.set_slot`). CUDA only."""
+reads the new weights, however long the copy takes (lora/device/upload.py, `PointerTable.set_slot`). CUDA only."""
 
 import pytest
 import torch
 from torch import nn
 
 from loraplex.lora.adapter import LoraAdapter, LoraConfig, LoraWeights
-from loraplex.lora.kernels import add_lora_rows_reference
-from loraplex.lora.table import AdapterTable
+from loraplex.lora.step.kernels import add_lora_rows_reference
+from loraplex.lora.device.table import AdapterTable
 
 if not torch.cuda.is_available():
     pytest.fail("tests/gpu needs a CUDA device", pytrace=False)
 
-from loraplex.lora.kernels.bgmv import add_lora_rows  # noqa: E402  (Triton: CUDA only)
+from loraplex.lora.step.kernels.bgmv import add_lora_rows  # noqa: E402  (Triton: CUDA only)
 
 DEVICE = torch.device("cuda")
 SPIN_CYCLES = 2_000_000_000  # about a second of one spinning kernel: far longer than installing three small adapters

@@ -1,4 +1,4 @@
-"""Decode steps replayed as CUDA graphs (engine/decode_graphs.py) against eager steps: the same greedy tokens, for
+"""Decode steps replayed as CUDA graphs (engine/worker/decode_graphs.py) against eager steps: the same greedy tokens, for
 a heterogeneous batch of 64 adapters of mixed ranks, sliding windows and ALiBi, and after adapters change slots
 (CUDA only: `python -m pytest tests/gpu`)."""
 
@@ -129,7 +129,7 @@ def test_plain_greedy_steps_take_the_graphs_own_picks_with_the_samplers_tokens_a
 
 
 def test_overlapped_graph_steps_give_the_tokens_of_steps_one_at_a_time():
-    """Launched steps take their input tokens from the last replay's picks on the device (engine/overlap.py):
+    """Launched steps take their input tokens from the last replay's picks on the device (engine/worker/overlap.py):
     greedy tokens equal eager steps' and graphs read one at a time, for requests ending by length and by a stop
     token at different steps, over adapters of mixed ranks."""
     ours, config = llama(torch.float32)
@@ -184,7 +184,7 @@ def test_a_row_turning_non_finite_in_a_launched_step_fails_alone():
 
 
 def test_waiting_requests_join_together_where_decode_steps_are_graphs():
-    """Requests arriving one by one while others decode: with graphs, they join a few at a time (engine/joins.py),
+    """Requests arriving one by one while others decode: with graphs, they join a few at a time (engine/scheduling/joins.py),
     so fewer steps run eagerly; the tokens are the same as when each joins at once."""
     ours, config = llama(torch.float32)
     kw = dict(device=DEVICE, dtype=torch.float32, max_active_adapters=8)

@@ -2,7 +2,7 @@
 
 - the Triton activation quantizer gives the torch ops' scales and e4m3 rows (a division may round one ulp apart:
   at most one e4m3 step on under 1% of the values);
-- Fp8Linear's `torch._scaled_mm` product equals the emulated one (the reference, fp8_numerics.py) to bfloat16
+- Fp8Linear's `torch._scaled_mm` product equals the emulated one (the reference, fp8/numerics.py) to bfloat16
   rounding, with per-token and static input scales, fused siblings included;
 - `--quantize fp8` through load_model on a small Llama (hidden 512, 4 layers) in bfloat16: logits close to the
   emulated product's (the same model with `_scaled_mm` off), q/k/v and gate/up fused into one FP8 product each,
@@ -19,11 +19,11 @@ import torch
 
 from loraplex.config import EngineConfig
 from loraplex.engine.loading import load_model
-from loraplex.lora.table import AdapterTable
+from loraplex.lora.device.table import AdapterTable
 from loraplex.quantization import weight_only
-from loraplex.quantization import fp8_numerics as numerics
-from loraplex.quantization.fp8 import quantize_linear
-from loraplex.quantization.fp8_layers import Fp8Linear
+from loraplex.quantization.fp8 import numerics
+from loraplex.quantization.fp8.mode import quantize_linear
+from loraplex.quantization.fp8.layers import Fp8Linear
 from loraplex.quantization.split_k import split_counters
 from tests.gpu.quantized_llama import DEVICE, DTYPE, PARAMS, SHAPE, assert_batch_matches_solo, tolerance
 from tests.helpers import engine_for, full_logits, tiny_hf_model
@@ -53,7 +53,7 @@ def float_linear(inputs: int, outputs: int, bias: bool = False) -> torch.nn.Line
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_triton_activation_quantizer_matches_torch(rows, static):
-    from loraplex.quantization.fp8_triton import quantize_rows
+    from loraplex.quantization.fp8.kernels import quantize_rows
 
     x = torch.randn(rows, 4096, device=DEVICE, dtype=DTYPE) * 3
     if rows > 1:
@@ -70,7 +70,7 @@ def test_triton_activation_quantizer_matches_torch(rows, static):
 
 
 def test_padded_rows_are_zeros_and_leave_the_product_alone():
-    from loraplex.quantization.fp8_triton import quantize_rows
+    from loraplex.quantization.fp8.kernels import quantize_rows
 
     x = torch.randn(3, 1024, device=DEVICE, dtype=DTYPE)
     q, s = quantize_rows(x, None, min_rows=17)

@@ -1,17 +1,17 @@
-"""The per-row LoRA Triton kernels (lora/kernels/bgmv.py) against the torch reference, with mixed ranks, empty
+"""The per-row LoRA Triton kernels (lora/step/kernels/bgmv.py) against the torch reference, with mixed ranks, empty
 slots, base rows and a corrupted adapter (CUDA only: `python -m pytest tests/gpu`)."""
 
 import pytest
 import torch
 
 from loraplex.lora.adapter import LoraWeights
-from loraplex.lora.upload import laid_out
-from loraplex.lora.kernels import PointerTable, add_lora_rows_reference
+from loraplex.lora.device.upload import laid_out
+from loraplex.lora.step.kernels import PointerTable, add_lora_rows_reference
 
 if not torch.cuda.is_available():
     pytest.fail("tests/gpu needs a CUDA device", pytrace=False)
 
-from loraplex.lora.kernels.bgmv import add_lora_rows, add_lora_rows_siblings  # noqa: E402  (Triton: CUDA only)
+from loraplex.lora.step.kernels.bgmv import add_lora_rows, add_lora_rows_siblings  # noqa: E402  (Triton: CUDA only)
 
 DEVICE = torch.device("cuda")
 RANKS = [8, 16, 64, 1, None, 32]  # None: the slot's adapter does not target the layer
@@ -127,10 +127,10 @@ def test_siblings_in_one_launch_equal_one_launch_each(dtype, rows):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_shrink_beside_the_product_in_a_graph_equals_the_deltas_after_it(dtype):
-    """lora/beside.py: in a captured graph the shrink runs on a second stream while the product runs, and the
+    """lora/step/beside.py: in a captured graph the shrink runs on a second stream while the product runs, and the
     expand adds to the product after the join: bit for bit what the deltas added after the product give, at every
     replay, with the inputs changed between replays (so the join, not luck, orders the reads)."""
-    from loraplex.lora.beside import shrink_beside
+    from loraplex.lora.step.beside import shrink_beside
 
     in_features, widths, names, weights, tables = sibling_tables(dtype)
     rows = 64

@@ -1,19 +1,19 @@
-"""The tile form's Triton kernels (lora/kernels/sgmv.py) against the per-row torch reference: segments long and
+"""The tile form's Triton kernels (lora/step/kernels/sgmv.py) against the per-row torch reference: segments long and
 short (one row, a tile and a part, several tiles), rows of the base model between them, mixed ranks, a slot whose
 adapter does not target the layer, sibling layers in one launch, and isolation (CUDA only)."""
 
 import pytest
 import torch
 
-from loraplex.lora.row_maps import LoraSegment
-from loraplex.lora.kernels import add_lora_rows_reference
-from loraplex.lora.kernels.tiles import TILE_ROWS, lora_tiles, reference_row_slots
+from loraplex.lora.step.row_maps import LoraSegment
+from loraplex.lora.step.kernels import add_lora_rows_reference
+from loraplex.lora.step.kernels.tiles import TILE_ROWS, lora_tiles, reference_row_slots
 from tests.gpu.test_gpu_lora_rows import sibling_tables, slot_weights, tables_for
 
 if not torch.cuda.is_available():
     pytest.fail("tests/gpu needs a CUDA device", pytrace=False)
 
-from loraplex.lora.kernels.sgmv import add_lora_tiles_siblings  # noqa: E402  (Triton: CUDA only)
+from loraplex.lora.step.kernels.sgmv import add_lora_tiles_siblings  # noqa: E402  (Triton: CUDA only)
 
 DEVICE = torch.device("cuda")
 # (slot, rows) runs, base-model rows (slot None) between some: every slot of RANKS, the untargeting one included.

@@ -1,6 +1,6 @@
 """--quantize on CUDA (`python -m pytest tests/gpu`): bitsandbytes 8-bit and nf4 on a small Llama (4 layers,
 hidden 512, GQA, a few outlier feature channels as trained models have) in bfloat16. On CUDA bitsandbytes'
-weights run in our own layers (bnb_layers: weight_only's Triton kernels for up to 64 rows), so:
+weights run in our own layers (bnb/layers.py: weight_only's Triton kernels for up to 64 rows), so:
 
 - the kernels, for every row count and both split reductions, equal x times the dequantized weight, in CUDA
   graphs too; the 4-bit dequantization is bitsandbytes' own, bit for bit;
@@ -21,10 +21,11 @@ from loraplex.checkpoints.sources import resolve_model
 from loraplex.checkpoints.weights import load_state_dict
 from loraplex.engine.loading import build_model
 from loraplex.models.registry import config_from_hf
-from loraplex.lora.table import AdapterTable
-from loraplex.quantization import bitsandbytes as bitsandbytes_mode, is_quantized, quantize_model, weight_bytes
+from loraplex.lora.device.table import AdapterTable
+from loraplex.quantization import is_quantized, quantize_model, weight_bytes
+from loraplex.quantization.bnb import mode as bitsandbytes_mode
 from loraplex.quantization import weight_only
-from loraplex.quantization.bnb_layers import FourBitLinear, Int8Linear, from_bitsandbytes
+from loraplex.quantization.bnb.layers import FourBitLinear, Int8Linear, from_bitsandbytes
 from tests.gpu.quantized_llama import DEVICE, DTYPE, NEW, PARAMS, PROMPT, SHAPE, assert_batch_matches_solo, tolerance
 from tests.helpers import engine_for, full_logits, tiny_hf_model
 from tests.lora.peft_helpers import ALL_PROJECTIONS, peft_model, save_and_load

@@ -13,12 +13,12 @@ import torch
 from loraplex.checkpoints.sources import resolve_model
 from loraplex.checkpoints.weights import load_state_dict
 from loraplex.engine.loading import build_model
-from loraplex.lora.table import AdapterTable
+from loraplex.lora.device.table import AdapterTable
 from loraplex.models.registry import config_from_hf
 from loraplex.quantization import weight_bytes
-from loraplex.quantization import w4a16, w4a16_rows, w4a16_triton
+from loraplex.quantization.w4a16 import kernels as w4a16_triton, mode as w4a16, rows as w4a16_rows
 from loraplex.quantization.checkpoint_format import checkpoint_format
-from loraplex.quantization.w4a16 import W4A16Linear
+from loraplex.quantization.w4a16.mode import W4A16Linear
 from tests.gpu.quantized_llama import DEVICE, DTYPE, PARAMS, PROMPT, SHAPE, tolerance
 from tests.helpers import engine_for, full_logits, tiny_hf_model
 from tests.lora.peft_helpers import ALL_PROJECTIONS, peft_model, save_and_load

@@ -7,7 +7,7 @@ import pathlib
 from dataclasses import dataclass
 
 from loraplex.lora.adapter import AdapterNotFound
-from loraplex.lora.hub_source import Snapshot
+from loraplex.lora.sources.hub_source import Snapshot
 
 COMMIT_A = "a" * 40
 COMMIT_B = "b" * 40

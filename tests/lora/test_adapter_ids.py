@@ -10,9 +10,9 @@ import pathlib
 
 import pytest
 
-from loraplex.lora import store as store_module
+from loraplex.lora.sources import store as store_module
 from loraplex.lora.adapter import ADAPTER_WEIGHTS, AdapterError, AdapterInvalid, AdapterNotFound, LoraAdapter
-from loraplex.lora.store import AdapterStore, MergeSpec
+from loraplex.lora.sources.store import AdapterStore, MergeSpec
 from loraplex.server import request_log
 from loraplex.server.state import ServerState, adapter_header
 from tests.lora.test_store import BASE, MAX_RANK, CountingLoads, write_adapter

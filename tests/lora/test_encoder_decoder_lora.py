@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from loraplex.lora.layers import row_kind
+from loraplex.lora.step.layers import row_kind
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for, hf_seq2seq_greedy, load_ours, tiny_t5
 from tests.lora.peft_helpers import peft_model, save_and_load

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from loraplex.engine import runner as runner_module
+from loraplex.engine.worker import runner as runner_module
 from loraplex.layers.projections import fuse_projections, project
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for, ours_from_hf, tiny_hf_model

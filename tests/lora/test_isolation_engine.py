@@ -17,7 +17,7 @@ from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
 from loraplex.lora.adapter import AdapterInvalid, LoraAdapter, LoraWeights, check_weights
 from loraplex.lora.merge import merge_adapters
-from loraplex.lora.store import AdapterStore
+from loraplex.lora.sources.store import AdapterStore
 from loraplex.params import SamplingParams
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "examples" / "adapters"
@@ -97,7 +97,7 @@ def test_merges_with_a_non_finite_adapter_are_refused(shipped, poisoned):
 @pytest.mark.parametrize("form, overlap", [("segments", False), ("stacked", False), ("segments", True)])
 def test_poisoned_adapters_change_no_other_request_during_or_after(embedded, good_jobs, solo, shipped, poisoned, form,
                                                                   overlap):
-    """With overlapped steps (engine/overlap.py) the late poison fails its requests when a launched step is read."""
+    """With overlapped steps (engine/worker/overlap.py) the late poison fails its requests when a launched step is read."""
     engine = Engine(embedded, EngineConfig(device="cpu", max_batch_total_tokens=4096, max_active_adapters=12,
                                            overlap_steps=overlap))
     engine.runner.lora_planner.stacked_rows_per_segment = FORMS[form]

@@ -14,9 +14,9 @@ from torch import nn
 
 from loraplex.layers.forward_context import ForwardContext, forward_context
 from loraplex.lora.adapter import LoraAdapter, LoraConfig, LoraWeights
-from loraplex.lora.plan import LoraPlan
-from loraplex.lora.row_maps import lora_segments
-from loraplex.lora.table import AdapterTable
+from loraplex.lora.step.plan import LoraPlan
+from loraplex.lora.step.row_maps import lora_segments
+from loraplex.lora.device.table import AdapterTable
 
 IN, HIDDEN, OUT = 12, 20, 9
 POISON = [math.nan, math.inf, -math.inf, 3e38]

@@ -4,11 +4,11 @@
 import pytest
 import torch
 
-from loraplex.lora.row_maps import LoraSegment
+from loraplex.lora.step.row_maps import LoraSegment
 from loraplex.lora.adapter import LoraWeights
-from loraplex.lora.upload import laid_out
-from loraplex.lora.kernels import PointerTable, add_lora, add_lora_rows_reference
-from loraplex.lora.kernels.rows import fits, sibling_launch, sibling_launch_at
+from loraplex.lora.device.upload import laid_out
+from loraplex.lora.step.kernels import PointerTable, add_lora, add_lora_rows_reference
+from loraplex.lora.step.kernels.rows import fits, sibling_launch, sibling_launch_at
 
 
 def weights(rank, seed, in_features=24, out_features=10):

@@ -1,11 +1,11 @@
-"""The tile form's tiles (lora/kernels/tiles.py): every segment's rows in tiles of at most TILE_ROWS rows of its
+"""The tile form's tiles (lora/step/kernels/tiles.py): every segment's rows in tiles of at most TILE_ROWS rows of its
 slot, no tile across segments, and the rows of no segment in none. The Triton kernels that read them are checked
 against the per-row reference on the GPU (tests/gpu/test_gpu_lora_tiles.py)."""
 
 import torch
 
-from loraplex.lora.row_maps import LoraSegment
-from loraplex.lora.kernels.tiles import TILE_ROWS, lora_tiles, reference_row_slots
+from loraplex.lora.step.row_maps import LoraSegment
+from loraplex.lora.step.kernels.tiles import TILE_ROWS, lora_tiles, reference_row_slots
 
 
 def test_tiles_cover_each_segment_with_its_slot_and_nothing_else():

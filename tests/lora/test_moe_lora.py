@@ -4,7 +4,7 @@ every expert's projections and on the router `gate`, in both namings an adapter 
 - "stacked": what PEFT 0.21 writes on transformers 5 (whose experts are stacked): `target_parameters` LoRA on
   `experts.gate_up_proj` / `experts.down_proj` (nested `ParamWrapper`s) and on the router's `gate.weight`. For
   Mixtral PEFT converts the transformers 4 names a user writes (`target_modules` w1/w2/w3/gate) into these itself;
-  Qwen2-MoE users name the parameters. lora/expert_slices.py cuts them into each expert's projections.
+  Qwen2-MoE users name the parameters. lora/step/expert_slices.py cuts them into each expert's projections.
 - "per_expert": what adapters trained under transformers 4 carry, each expert's linears by name
   (`block_sparse_moe.experts.3.w1` for Mixtral). PEFT 0.21 converts Mixtral's on load (the reference here); it
   cannot load Qwen2-MoE's at all (its router is no longer a linear), so there the reference is the transformers
@@ -23,10 +23,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import loraplex.lora.plan as lora_plan
+import loraplex.lora.step.plan as lora_plan
 from loraplex.lora.adapter import AdapterInvalid, load_adapter_dir
-from loraplex.lora.kernels import add_lora_rows_reference
-from loraplex.lora.kernels.tiles import reference_row_slots
+from loraplex.lora.step.kernels import add_lora_rows_reference
+from loraplex.lora.step.kernels.tiles import reference_row_slots
 from loraplex.lora.merge import merge_adapters
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for, full_logits, ours_from_hf

@@ -9,7 +9,7 @@ import torch
 
 from loraplex.lora.adapter import LoraAdapter, LoraConfig, LoraWeights
 from loraplex.lora.packed import PackedModules
-from loraplex.lora.upload import AdapterUploader
+from loraplex.lora.device.upload import AdapterUploader
 
 
 def many_modules(count: int, seed: int) -> dict[str, LoraWeights]:

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex.lora.adapter import AdapterInvalid, load_adapter_dir
-from loraplex.lora.store import AdapterStore, MergeSpec
+from loraplex.lora.sources.store import AdapterStore, MergeSpec
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for, full_logits, ours_from_hf, tiny_hf_model
 from tests.lora.peft_helpers import (
@@ -306,7 +306,7 @@ class EmbeddedAdapters:
 
 @pytest.fixture(scope="module")
 def embedded_adapters(embedded, embedded_hf, tmp_path_factory) -> EmbeddedAdapters:
-    from loraplex.lora.table import AdapterTable
+    from loraplex.lora.device.table import AdapterTable
 
     # The shapes an engine checks adapters against (wrapping is idempotent and holds no adapter state).
     base_shapes = AdapterTable(embedded.model, 1, embedded.device, embedded.dtype).base_shapes

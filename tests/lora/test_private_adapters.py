@@ -13,8 +13,8 @@ import torch
 
 from loraplex.lora.adapter import AdapterInvalid, AdapterNotFound
 from loraplex.lora.errors import AdapterSourceUnavailable
-from loraplex.lora.hub_source import PUBLIC, HuggingFaceHub, token_scope
-from loraplex.lora.store import AdapterStore, MergeSpec
+from loraplex.lora.sources.hub_source import PUBLIC, HuggingFaceHub, token_scope
+from loraplex.lora.sources.store import AdapterStore, MergeSpec
 from loraplex.params import SamplingParams
 from tests.lora.fake_hub import COMMIT_A, COMMIT_B, FakeHub
 from tests.lora.test_store import BASE, MAX_RANK, P, cache_repo, hf_cache, loads, lora_tensors, write_adapter  # noqa: F401

@@ -12,7 +12,7 @@ from loraplex.config import EngineConfig, ServerConfig
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import Engine
 from loraplex.lora.errors import AdapterInvalid
-from loraplex.lora.s3_source import bucket_and_prefix
+from loraplex.lora.sources.s3_source import bucket_and_prefix
 from loraplex.server.app import create_app
 from tests.helpers import free_port
 

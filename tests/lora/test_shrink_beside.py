@@ -1,4 +1,4 @@
-"""The plumbing of the shrink beside the base product (lora/beside.py), on the CPU: which layers start early, with
+"""The plumbing of the shrink beside the base product (lora/step/beside.py), on the CPU: which layers start early, with
 which columns of the product, and that their deltas then come from the early shrink alone. The kernels themselves
 and the streams are CUDA's (tests/gpu/test_gpu_decode_graphs.py compares graphs that take this path with eager
 steps); here the shrink is a stand-in that records what it was asked for."""
@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-import loraplex.lora.plan as lora_plan
+import loraplex.lora.step.plan as lora_plan
 from loraplex.layers.forward_context import ForwardContext, forward_context
 from loraplex.layers.projections import fuse_projections, project
-from loraplex.lora.kernels import PointerTable
-from loraplex.lora.layers import wrap_linears
-from loraplex.lora.plan import LoraPlan, PerRowForm
-from loraplex.lora.row_maps import LoraSegment, LoraTiles
+from loraplex.lora.step.kernels import PointerTable
+from loraplex.lora.step.layers import wrap_linears
+from loraplex.lora.step.plan import LoraPlan, PerRowForm
+from loraplex.lora.step.row_maps import LoraSegment, LoraTiles
 
 SIZES = {"q": 8, "k": 4, "v": 4}
 

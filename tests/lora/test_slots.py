@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from loraplex.engine.request import Request, RequestStatus
+from loraplex.engine.requests.request import Request, RequestStatus
 from loraplex.params import FinishReason
-from loraplex.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from loraplex.lora.residency import AdapterResidency
+from loraplex.engine.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from loraplex.lora.device.residency import AdapterResidency
 from loraplex.params import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""Installs prepared ahead (lora/staging.py): which adapters are staged, that an install takes the very buffer staged
+"""Installs prepared ahead (lora/device/staging.py): which adapters are staged, that an install takes the very buffer staged
 for that adapter object, and that a step's installs reach the slot tables in one copy."""
 
 import threading
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from loraplex.lora.adapter import LoraAdapter, LoraConfig
-from loraplex.lora.kernels import PointerTable
-from loraplex.lora.staging import StagedUploads
-from loraplex.lora.upload import AdapterUploader
+from loraplex.lora.step.kernels import PointerTable
+from loraplex.lora.device.staging import StagedUploads
+from loraplex.lora.device.upload import AdapterUploader
 from loraplex.params import SamplingParams
 from tests.lora.test_upload import modules
 

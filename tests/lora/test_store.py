@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import loraplex.lora.store as store_module
+import loraplex.lora.sources.store as store_module
 from loraplex.lora.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError, AdapterInvalid, AdapterNotFound
-from loraplex.lora.store import AdapterStore, MergeSpec
+from loraplex.lora.sources.store import AdapterStore, MergeSpec
 
 P = "base_model.model."
 BASE = {

@@ -1,4 +1,4 @@
-"""Adapter installs in one copy (lora/layout.py, lora/upload.py): the layout the per-row kernels read, adapters laid
+"""Adapter installs in one copy (lora/layout.py, lora/device/upload.py): the layout the per-row kernels read, adapters laid
 out so on the host, the values and dtype of the weights handed back, and the slot tables pointing into the one
 buffer."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from loraplex.lora.adapter import LoraAdapter, LoraConfig, LoraWeights
-from loraplex.lora.kernels import PointerTable
+from loraplex.lora.step.kernels import PointerTable
 from loraplex.lora.layout import ALIGN, Layout
-from loraplex.lora.upload import AdapterUploader
+from loraplex.lora.device.upload import AdapterUploader
 
 
 def modules(seed: int, ranks=(4, 16, 1)) -> dict[str, LoraWeights]:
@@ -119,7 +119,7 @@ def test_slots_hand_out_each_installed_adapters_weights_and_none_after_a_replace
     they are the adapter's weights, a replacement's after an install, and nothing after a clear."""
     from torch import nn
 
-    from loraplex.lora.table import AdapterTable
+    from loraplex.lora.device.table import AdapterTable
 
     model = nn.Sequential(nn.Linear(24, 10), nn.Linear(7, 33), nn.Linear(64, 5))
     slots = AdapterTable(model, num_slots=2, device=torch.device("cpu"), dtype=torch.float32, max_rank=16)
@@ -143,8 +143,8 @@ def test_asking_for_a_layer_an_adapter_does_not_target_makes_no_views(monkeypatc
     target the head, the answer comes from its layout, without the per-module views of all its layers."""
     from torch import nn
 
-    from loraplex.lora.table import AdapterTable
-    from loraplex.lora.upload import Uploaded
+    from loraplex.lora.device.table import AdapterTable
+    from loraplex.lora.device.upload import Uploaded
 
     made = []
     views = Uploaded.weights

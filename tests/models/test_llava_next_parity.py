@@ -14,9 +14,9 @@ from loraplex.checkpoints.sources import resolve_model
 from loraplex.checkpoints.weights import WeightsError, load_state_dict
 from loraplex.config import ModelConfig
 from loraplex.engine.loading import build_model
-from loraplex.engine.request import Request
-from loraplex.engine.runner import ModelRunner
-from loraplex.engine.scheduler import ScheduledRequest
+from loraplex.engine.requests.request import Request
+from loraplex.engine.worker.runner import ModelRunner
+from loraplex.engine.scheduling.scheduler import ScheduledRequest
 from loraplex.layers.forward_context import ForwardContext, forward_context
 from loraplex.models.registry import config_from_hf
 from loraplex.params import SamplingParams

@@ -1,7 +1,7 @@
 """Our Mllama against transformers on the assembled example model (`loraplex/smollm2-mllama-shapes`: SmolLM2
 plus trained cross-attention layers and vision encoder): logits close and greedy tokens identical, for one
 picture and for two of different tilings, with the chat template's system prompt before the pictures (rows
-that see no image: Meta's masking on the transformers side, see loraplex/engine/image_states.py)."""
+that see no image: Meta's masking on the transformers side, see loraplex/engine/requests/image_states.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 transformers saves it and served by our engine, inputs from the real MllamaProcessor.
 
 Reference semantics: transformers with Meta's masking of the rows before a request's first image (those rows
-get no cross-layer output; see loraplex/engine/image_states.py). A prompt that starts with its image has no such
+get no cross-layer output; see loraplex/engine/requests/image_states.py). A prompt that starts with its image has no such
 row: it matches transformers as it is."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 from transformers.models.mllama.processing_mllama import get_cross_attention_token_mask
 
 from loraplex.models.registry import config_from_hf
-from loraplex.engine.image_states import image_rows
+from loraplex.engine.requests.image_states import image_rows
 from loraplex.multimodal.image_inputs import ImageInputs
-from loraplex.engine.request import RequestRefused
+from loraplex.engine.requests.request import RequestRefused
 from loraplex.params import SamplingParams
 from tests.helpers import engine_for, image_model_logits
 from tests.mllama_fixtures import (

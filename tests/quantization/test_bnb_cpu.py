@@ -28,8 +28,8 @@ from loraplex.checkpoints.weights import load_state_dict
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.loading import build_model, load_model
 from loraplex.models.registry import config_from_hf
-from loraplex.lora.layers import LoraLinear
-from loraplex.lora.table import AdapterTable
+from loraplex.lora.step.layers import LoraLinear
+from loraplex.lora.device.table import AdapterTable
 from loraplex.params import SamplingParams
 from loraplex.quantization import (
     BITSANDBYTES_MODES,
@@ -41,7 +41,7 @@ from loraplex.quantization import (
     quantize_model,
     weight_bytes,
 )
-from loraplex.quantization.bitsandbytes import keep_cpu_4bit_packable
+from loraplex.quantization.bnb.mode import keep_cpu_4bit_packable
 from tests.helpers import engine_for, full_logits, tiny_hf_model, tiny_mpt
 from tests.lora.peft_helpers import ALL_PROJECTIONS, peft_model, reference_greedy, reference_logits, save_and_load
 

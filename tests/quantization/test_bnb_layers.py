@@ -1,4 +1,4 @@
-"""bitsandbytes' weights in our own layers (bnb_layers), as --quantize bitsandbytes | -nf4 | -fp4 runs them on
+"""bitsandbytes' weights in our own layers (bnb/layers.py), as --quantize bitsandbytes | -nf4 | -fp4 runs them on
 CUDA with Triton, checked here on the CPU through their reference path (the Triton kernels are checked on the GPU
 by tests/gpu/test_gpu_quantization.py):
 
@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-import loraplex.quantization.bitsandbytes as bitsandbytes_mode
+import loraplex.quantization.bnb.mode as bitsandbytes_mode
 from loraplex.quantization import BITSANDBYTES_MODES, dequantized_weight, is_quantized, quantize_model, weight_bytes
-from loraplex.quantization.bnb_layers import FourBitLinear, Int8Linear, from_bitsandbytes
+from loraplex.quantization.bnb.layers import FourBitLinear, Int8Linear, from_bitsandbytes
 from tests.helpers import engine_for, full_logits, ours_from_hf, tiny_hf_model
 from tests.lora.peft_helpers import ALL_PROJECTIONS, peft_model, reference_greedy, reference_logits, save_and_load
 from loraplex.params import SamplingParams

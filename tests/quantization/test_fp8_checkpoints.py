@@ -29,8 +29,8 @@ from loraplex.checkpoints.sources import resolve_model
 from loraplex.config import EngineConfig
 from loraplex.engine.loading import load_model
 from loraplex.quantization import is_quantized, weight_bytes
-from loraplex.quantization.fp8_layers import Fp8BlockLinear, Fp8Linear
-from loraplex.quantization.fp8_numerics import FP8, FP8_MAX
+from loraplex.quantization.fp8.layers import Fp8BlockLinear, Fp8Linear
+from loraplex.quantization.fp8.numerics import FP8, FP8_MAX
 from tests.helpers import engine_for, full_logits, tiny_hf_model
 from tests.lora.peft_helpers import ALL_PROJECTIONS, peft_model, reference_greedy, reference_logits, save_and_load
 from tests.quantization.test_bnb_cpu import PARAMS, PROMPT, atol, prompts
@@ -269,7 +269,7 @@ def test_quantize_fp8_matches_the_rounded_float_model(hf, quantized):
 
 
 def test_lora_on_fp8_matches_peft(quantized, tmp_path, monkeypatch):
-    from loraplex.engine import runner as runner_module
+    from loraplex.engine.worker import runner as runner_module
 
     loaded, reference = quantized
     model, config = copy.deepcopy(loaded.model), loaded.config  # fused below: the module's model stays unfused

@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 from loraplex.quantization import quantize_model
-from loraplex.quantization.fp8_layers import Fp8Linear
-from loraplex.quantization.fp8_numerics import FP8, FP8_MAX
+from loraplex.quantization.fp8.layers import Fp8Linear
+from loraplex.quantization.fp8.numerics import FP8, FP8_MAX
 from tests.helpers import encoder_decoder_logits, full_logits, load_ours, tiny_mpt, tiny_t5
 from tests.lora.peft_helpers import peft_model, reference_logits, save_and_load
 from tests.quantization.test_bnb_cpu import PROMPT, atol
-from loraplex.lora.table import AdapterTable
+from loraplex.lora.device.table import AdapterTable
 
 
 def fp8_model(hf, path):

@@ -18,9 +18,9 @@ from torch import nn
 from loraplex.layers.projections import fuse_projections, project
 from loraplex.quantization import QuantizationError, check_quantize, dequantized_weight, is_quantized
 from loraplex.quantization.checkpoint_format import checkpoint_format
-from loraplex.quantization.fp8 import quantize_linear
-from loraplex.quantization.fp8_layers import Fp8BlockLinear, Fp8Linear
-from loraplex.quantization.fp8_numerics import FP8, FP8_MAX, quantize_rows_torch
+from loraplex.quantization.fp8.mode import quantize_linear
+from loraplex.quantization.fp8.layers import Fp8BlockLinear, Fp8Linear
+from loraplex.quantization.fp8.numerics import FP8, FP8_MAX, quantize_rows_torch
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -99,7 +99,7 @@ class Siblings(nn.Module):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_quantized_siblings_fuse_into_one_product(bias):
-    from loraplex.lora.layers import wrap_linears
+    from loraplex.lora.step.layers import wrap_linears
 
     owner = Siblings(bias)
     x = torch.randn(5, 64, generator=GEN)

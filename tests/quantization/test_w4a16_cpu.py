@@ -24,8 +24,8 @@ from loraplex.models.registry import config_from_hf
 from loraplex.params import SamplingParams
 from loraplex.quantization import QuantizationError, dequantized_weight, is_quantized, weight_bytes
 from loraplex.quantization.checkpoint_format import checkpoint_format
-from loraplex.quantization.w4a16 import W4A16Linear, pack_int4, unpack_int4
-from loraplex.quantization.w4a16_formats import detect
+from loraplex.quantization.w4a16.mode import W4A16Linear, pack_int4, unpack_int4
+from loraplex.quantization.w4a16.formats import detect
 from tests.helpers import engine_for, full_logits, tiny_hf_model
 from tests.lora.peft_helpers import ALL_PROJECTIONS, peft_model, reference_greedy, reference_logits, save_and_load
 from tests.quantization import w4a16_checkpoints as ckpt
@@ -215,7 +215,7 @@ class _Siblings(torch.nn.Module):
 @pytest.mark.parametrize("bias", [False, True])
 def test_w4a16_siblings_fuse_into_one_product_over_views(bias):
     from loraplex.layers.projections import fuse_projections, project
-    from loraplex.lora.layers import wrap_linears
+    from loraplex.lora.step.layers import wrap_linears
 
     owner = _Siblings(bias)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4))

@@ -18,7 +18,7 @@ import pathlib
 
 import torch
 
-from loraplex.quantization.w4a16 import quantize_groups
+from loraplex.quantization.w4a16.mode import quantize_groups
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

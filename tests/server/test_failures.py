@@ -92,7 +92,7 @@ def test_an_adapter_whose_load_raises_fails_only_its_requests(make_engine, monke
     import pathlib
 
     from loraplex.config import ServerConfig
-    from loraplex.lora import store
+    from loraplex.lora.sources import store
 
     root = pathlib.Path(__file__).resolve().parents[2] / "examples" / "adapters"
     load = store.load_adapter_dir

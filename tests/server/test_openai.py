@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.output import RequestOutput
-from loraplex.engine.request import RequestRefused
+from loraplex.engine.requests.output import RequestOutput
+from loraplex.engine.requests.request import RequestRefused
 from loraplex.params import FinishReason, SamplingParams, TokenInfo
 from loraplex.server.app import create_app
 from loraplex.server.openai_routes import Job, Renderer, start_all, stream_events

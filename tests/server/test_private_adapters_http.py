@@ -13,8 +13,8 @@ import pytest
 
 from loraplex.config import ServerConfig
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.lora.hub_source import token_scope
-from loraplex.lora.store import AdapterStore
+from loraplex.lora.sources.hub_source import token_scope
+from loraplex.lora.sources.store import AdapterStore
 from loraplex.server.app import create_app
 from tests.helpers import asgi_calls
 from tests.lora.fake_hub import FakeHub

@@ -1,6 +1,6 @@
 """The runner's grouping of decode sequences by length."""
 
-from loraplex.engine.batch import group_by_length
+from loraplex.engine.worker.batch import group_by_length
 
 
 def test_decode_groups_keep_lengths_close():

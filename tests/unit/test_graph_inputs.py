@@ -1,11 +1,11 @@
-"""The staged inputs of graphed decode steps (engine/graph_inputs.py): after every write the static tensors hold
+"""The staged inputs of graphed decode steps (engine/worker/graph_inputs.py): after every write the static tensors hold
 each row's inputs and block table, however the rows change from step to step."""
 
 import random
 
 import torch
 
-from loraplex.engine.graph_inputs import StagedInputs
+from loraplex.engine.worker.graph_inputs import StagedInputs
 
 PAD_COLUMN = [0, 0, 999, 1, -1]
 PAD_TABLE = [63]

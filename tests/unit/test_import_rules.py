@@ -33,7 +33,8 @@ FORBIDDEN = {
     "params": ABOVE_MODELS | {"models", "lora", "layers", "checkpoints", "quantization", "example_models"},
     "environment": ABOVE_MODELS | {"models", "lora", "layers", "checkpoints", "quantization", "example_models"},
     "tokenizer": ABOVE_MODELS | {"models", "lora", "layers", "checkpoints", "quantization", "example_models"},
-    "sampling": ABOVE_MODELS | {"models", "lora", "layers", "checkpoints", "quantization", "example_models"},
+    "settings": ABOVE_MODELS | {"models", "lora", "layers", "checkpoints", "quantization", "example_models",
+                                "config", "params", "multimodal"},
 }
 
 
@@ -143,7 +144,7 @@ def test_imports_go_down_only():
 def test_lora_kernels_import_nothing_from_layers():
     offences = [f"{m} imports {sorted(d for d in deps if top_part(d) == 'layers')}"
                 for m, deps in import_graph().items()
-                if m.startswith("loraplex.lora.kernels") and any(top_part(d) == "layers" for d in deps)]
+                if m.startswith("loraplex.lora.step.kernels") and any(top_part(d) == "layers" for d in deps)]
     assert not offences, offences
 
 
@@ -154,7 +155,7 @@ def test_no_import_circles():
 ENGINE_PARTS = {"core", "runner", "scheduler", "lora", "allocator", "slots"}
 # What the server may import of the engine: the facade, its description and stats, outputs and refusals.
 SERVER_MAY_IMPORT = {"loraplex.engine.async_engine", "loraplex.engine.served_model", "loraplex.engine.stats",
-                     "loraplex.engine.output", "loraplex.engine.request", "loraplex.engine.inputs"}
+                     "loraplex.engine.requests.output", "loraplex.engine.requests.request", "loraplex.engine.requests.inputs"}
 
 
 def reaches_into_engine(path: pathlib.Path) -> list[str]:
@@ -211,10 +212,10 @@ def test_no_benchmark_file_over_500_lines():
 
 def test_the_import_reader_sees_absolute_relative_and_local_imports(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("import loraplex.engine.runner\nfrom loraplex.server.app import create_app\n"
+    module.write_text("import loraplex.engine.worker.runner\nfrom loraplex.server.app import create_app\n"
                       "def f():\n    from ..lora import plan\n")
     found = imported_modules(module, "loraplex.engine")
-    assert {"loraplex.engine.runner", "loraplex.server.app", "loraplex.lora.plan"} <= found
+    assert {"loraplex.engine.worker.runner", "loraplex.server.app", "loraplex.lora.plan"} <= found
     assert {top_part(n) for n in found} == {"engine", "server", "lora"}
 
 
@@ -234,8 +235,8 @@ def test_the_engine_reach_checker_sees_a_reach(tmp_path):
 
 
 def test_the_server_import_rule_sees_an_engine_internal():
-    graph = {"loraplex.server.x": {"loraplex.engine.scheduler", "loraplex.engine.async_engine", "loraplex.engine.engine"},
-             "loraplex.protocol.y": {"loraplex.engine.scheduler"}}
+    graph = {"loraplex.server.x": {"loraplex.engine.scheduling.scheduler", "loraplex.engine.async_engine", "loraplex.engine.engine"},
+             "loraplex.protocol.y": {"loraplex.engine.scheduling.scheduler"}}
     assert server_imports_of_engine_internals(graph) == [
-        "loraplex.server.x imports loraplex.engine.engine", "loraplex.server.x imports loraplex.engine.scheduler"
+        "loraplex.server.x imports loraplex.engine.engine", "loraplex.server.x imports loraplex.engine.scheduling.scheduler"
     ]

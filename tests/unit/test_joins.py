@@ -1,10 +1,10 @@
-"""When waiting requests join running ones (engine/joins.py, LoRAX's max-waiting-tokens and waiting-served-ratio):
+"""When waiting requests join running ones (engine/scheduling/joins.py, LoRAX's max-waiting-tokens and waiting-served-ratio):
 the rule, the scheduler that follows it, and the engine that turns it on only where decode steps are graphs."""
 
 import pytest
 
-from loraplex.engine.joins import WaitingJoins
-from loraplex.engine.scheduler import Scheduler, SchedulerConfig
+from loraplex.engine.scheduling.joins import WaitingJoins
+from loraplex.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from tests.unit.test_scheduler import make_request, run_step
 
 

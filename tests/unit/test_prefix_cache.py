@@ -3,11 +3,11 @@ scheduler's admission from cached blocks. No torch."""
 
 import pytest
 
-from loraplex.engine.kv_cache import BlockAllocator
-from loraplex.engine.prefix_cache import block_hashes, root_key
-from loraplex.engine.request import Request
+from loraplex.engine.scheduling.kv_cache import BlockAllocator
+from loraplex.engine.scheduling.prefix_cache import block_hashes, root_key
+from loraplex.engine.requests.request import Request
 from loraplex.params import FinishReason
-from loraplex.engine.scheduler import Scheduler, SchedulerConfig
+from loraplex.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from loraplex.params import SamplingParams
 from tests.unit.test_scheduler import run_step
 

@@ -14,9 +14,9 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from loraplex import sampling
+from loraplex.engine.sampling import sampler as sampling
 from loraplex.params import SamplingParams
-from loraplex.sampling import (
+from loraplex.engine.sampling.sampler import (
     Sampler,
     SamplerOutput,
     _apply_penalties,

@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-from loraplex.engine.kv_cache import BlockAllocator, blocks_for
-from loraplex.engine.request import Request, RequestStatus
+from loraplex.engine.scheduling.kv_cache import BlockAllocator, blocks_for
+from loraplex.engine.requests.request import Request, RequestStatus
 from loraplex.params import FinishReason
-from loraplex.engine.scheduler import Scheduler, SchedulerConfig
+from loraplex.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from loraplex.params import SamplingParams
 
 
@@ -28,7 +28,7 @@ def run_step(scheduler: Scheduler) -> dict[str, int]:
 
 
 def test_scheduler_modules_do_not_import_torch():
-    code = "import sys, loraplex.engine.scheduler, loraplex.engine.kv_cache; assert 'torch' not in sys.modules"
+    code = "import sys, loraplex.engine.scheduling.scheduler, loraplex.engine.scheduling.kv_cache; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
