@@ -34,7 +34,8 @@ from benchmarks.adapters import AdapterSpec, adapter_from_peft, make_peft_model,
 from benchmarks.peers import left_padded
 from benchmarks.quantization import random_model, step_weight_bytes, timed_decode
 from benchmarks.roofline import average_decode_context, copy_bandwidth, kv_bytes_per_token
-from loraplex.config import EngineConfig, ModelConfig
+from loraplex.config import EngineConfig
+from loraplex.models.config import ModelConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.loading import LoadedModel, build_model
 from loraplex.layers.moe import MoeExperts

@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from loraplex.config import ModelConfig
+from loraplex.models.config import ModelConfig
 from loraplex.engine.loading import LoadedModel
 
 

@@ -39,7 +39,8 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from benchmarks.roofline import average_decode_context, copy_bandwidth, kv_bytes_per_token
-from loraplex.config import EngineConfig, ModelConfig
+from loraplex.config import EngineConfig
+from loraplex.models.config import ModelConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.loading import LoadedModel, build_model
 from loraplex.engine.memory import kv_cache_blocks

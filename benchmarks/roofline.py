@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.config import ModelConfig
+from loraplex.models.config import ModelConfig
 from loraplex.lora.adapter import LoraAdapter
 
 GiB = 2**30

@@ -14,7 +14,8 @@ import torch
 
 from loraplex.checkpoints.sources import resolve_model
 from loraplex.checkpoints.weights import load_state_dict
-from loraplex.config import EngineConfig, ModelConfig
+from loraplex.config import EngineConfig
+from loraplex.models.config import ModelConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.loading import LoadedModel, build_model
 from loraplex.engine.requests.request import Request

@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from loraplex.config import EngineConfig, ModelConfig
+from loraplex.config import EngineConfig
+from loraplex.models.config import ModelConfig
 from loraplex.engine.containment import execute_contained, failed_install_results
 from loraplex.engine.adapters import EngineAdapters
 from loraplex.engine.worker.decode_graphs import BATCH_SIZES as GRAPH_BATCH_SIZES

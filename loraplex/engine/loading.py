@@ -14,7 +14,8 @@ from torch import nn
 
 from loraplex.checkpoints.sources import resolve_model
 from loraplex.checkpoints.weights import ModelSource, load_into, load_state_dict, read_json, renamed_state
-from loraplex.config import SAMPLING_DEFAULT_FIELDS, EngineConfig, ModelConfig
+from loraplex.config import EngineConfig
+from loraplex.models.config import SAMPLING_DEFAULT_FIELDS, ModelConfig
 import loraplex.example_models  # noqa: F401  (registers the example models' ids with resolve_model)
 from loraplex.models.hf_config import token_id, token_ids
 from loraplex.models.registry import config_from_hf, model_class

@@ -6,7 +6,8 @@ import os
 
 import torch
 
-from loraplex.config import EngineConfig, ModelConfig
+from loraplex.config import EngineConfig
+from loraplex.models.config import ModelConfig
 from loraplex.engine.worker.decode_graphs import BATCH_SIZES as GRAPH_BATCH_SIZES
 from loraplex.engine.scheduling.kv_cache import blocks_for
 from loraplex.engine.loading import LoadedModel

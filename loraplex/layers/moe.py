@@ -21,9 +21,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.config import MoeSettings
 from loraplex.kernels import triton_available
 from loraplex.layers.activation import act_and_mul
+
+
+@dataclass(frozen=True)
+class MoeSettings:
+    """A sparse mixture-of-experts feed-forward in place of the MLP (Mixtral, Qwen2-MoE): a router picks each
+    token's `top_k` of `num_experts` gated MLPs (layers/moe.py)."""
+
+    num_experts: int  # Mixtral's num_local_experts, Qwen2-MoE's num_experts
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int  # of each expert (Qwen2-MoE's moe_intermediate_size; Mixtral's intermediate_size)
+    renormalize: bool  # the top-k probabilities rescaled to sum to 1 (Mixtral always; Qwen2-MoE's norm_topk_prob)
+    # The top-k weights rounded to the model's dtype before they scale the experts' outputs (Qwen2-MoE), or kept
+    # float32 (Mixtral), as transformers does.
+    weights_in_model_dtype: bool
+    # Which layers are sparse (Qwen2-MoE's decoder_sparse_step and mlp_only_layers); the others keep the dense
+    # MLP of ModelConfig.intermediate_size.
+    sparse_layers: tuple[bool, ...]
+    # A shared expert beside the routed ones, gated by sigmoid(shared_expert_gate(x)) (Qwen2-MoE); 0: none.
+    shared_expert_intermediate_size: int = 0
+
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool,

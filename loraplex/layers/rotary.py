@@ -9,15 +9,42 @@ that sequence run alone with a KV cache. Keys already cached keep the rotation t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from loraplex.config import RopeConfig
 from loraplex.layers.forward_context import get_forward_context
 from loraplex.layers.kernels import fused_kernels_wanted
 
 SCALED_BY_LENGTH = ("dynamic", "longrope")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3 | yarn | dynamic | longrope
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    # The pretraining context. dynamic and longrope choose each row's frequencies by whether its sequence is longer
+    # (dynamic: transformers' max_position_embeddings; longrope: Phi-3's original_max_position_embeddings).
+    original_max_position_embeddings: int = 8192
+    # YaRN: the band of dimensions between beta_fast and beta_slow rotations over the original context is
+    # interpolated; cos and sin are scaled by attention_factor (YaRN's and LongRoPE's; 1.0 for every other kind).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    # LongRoPE: each frequency divided by its factor, the long ones in sequences past the original context.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    # Rotary on the first int(head_dim * partial_rotary_factor) dims of each head, the rest passed through.
+    partial_rotary_factor: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        return int(head_dim * self.partial_rotary_factor)
+
 
 
 def inverse_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:

@@ -31,7 +31,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from loraplex.config import BartSettings, EncoderDecoderConfig, ModelConfig, RopeConfig
+from loraplex.layers.rotary import RopeConfig
+from loraplex.models.config import BartSettings, EncoderDecoderConfig, ModelConfig
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.encoder_attention import CrossAttention, EncoderAttention
 from loraplex.models.base import ModelFamily, ModelInputs

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from loraplex.config import ModelConfig
+    from loraplex.models.config import ModelConfig
 
 
 class ModelInputs(enum.Flag):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.config import VisionConfig
+from loraplex.models.config import VisionConfig
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ import math
 import reprlib
 from typing import Any, Callable
 
-from loraplex.config import ModelConfig, RopeConfig
+from loraplex.layers.rotary import RopeConfig
+from loraplex.models.config import ModelConfig
 
 
 def normalised(normalise: Callable[[dict[str, Any]], ModelConfig], hf: dict[str, Any]) -> ModelConfig:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.config import ModelConfig
+from loraplex.models.config import ModelConfig
 from loraplex.layers.activation import act_and_mul
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.moe import MoeExperts, SparseMoeBlock

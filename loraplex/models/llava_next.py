@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loraplex.config import ModelConfig, VisionConfig
+from loraplex.models.config import ModelConfig, VisionConfig
 from loraplex.models.base import ModelFamily, ModelInputs
 from loraplex.models.clip import VISION_ACTIVATIONS, CLIPVisionModel
 from loraplex.models.hf_config import normalised, require

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loraplex.config import MllamaSettings, ModelConfig
+from loraplex.models.config import MllamaSettings, ModelConfig
 from loraplex.layers.encoder_attention import CrossAttention
 from loraplex.layers.norms import RMSNorm
 from loraplex.layers.rotary import RotaryEmbedding

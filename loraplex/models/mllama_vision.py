@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.config import MllamaVisionSettings
+from loraplex.models.config import MllamaVisionSettings
 from loraplex.models.clip import VISION_ACTIVATIONS
 
 # Checkpoint name -> module name, for the full model's `checkpoint_name`: checkpoints saved by

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 import torch
 
-from loraplex.config import MoeSettings
+from loraplex.layers.moe import MoeSettings
 from loraplex.models.hf_config import require
 
 MOE_TYPES = ("mixtral", "qwen2_moe")

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.config import ModelConfig, MptConfig, RopeConfig
+from loraplex.layers.rotary import RopeConfig
+from loraplex.models.config import ModelConfig, MptConfig
 from loraplex.layers.alibi import alibi_slopes
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.norms import RMSNorm

@@ -6,7 +6,7 @@ from typing import Any, Callable, NamedTuple
 
 from torch import nn
 
-from loraplex.config import ModelConfig
+from loraplex.models.config import ModelConfig
 from loraplex.models.bart import BartForConditionalGeneration, bart_config_from_hf
 from loraplex.models.hf_config import normalised
 from loraplex.models.llama import LLAMA_FAMILY, LlamaForCausalLM, llama_config_from_hf

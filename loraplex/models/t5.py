@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.config import EncoderDecoderConfig, ModelConfig, RopeConfig, T5Settings
+from loraplex.layers.rotary import RopeConfig
+from loraplex.models.config import EncoderDecoderConfig, ModelConfig, T5Settings
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.encoder_attention import CrossAttention, EncoderAttention
 from loraplex.layers.relative_position import RelativePositionBias

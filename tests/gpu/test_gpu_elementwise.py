@@ -82,7 +82,7 @@ def test_silu_and_mul_on_the_halves_of_a_fused_gate_up_product(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads,dim", [(32, 128), (3, 64), (2, 96)])
 def test_rotary(dtype, heads, dim):
-    from loraplex.config import RopeConfig
+    from loraplex.layers.rotary import RopeConfig
 
     rows = 19
     embedding = rotary_module.RotaryEmbedding(RopeConfig(theta=10000.0), dim)
@@ -95,7 +95,7 @@ def test_rotary(dtype, heads, dim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows", [1, 7])  # one row: its view strides of q and k differ, and must not matter
 def test_rotary_of_q_and_k_side_by_side_in_a_fused_product_is_one_launch_with_the_same_values(dtype, rows, monkeypatch):
-    from loraplex.config import RopeConfig
+    from loraplex.layers.rotary import RopeConfig
 
     heads, kv_heads, dim = 8, 2, 64
     embedding = rotary_module.RotaryEmbedding(RopeConfig(theta=10000.0), dim)

@@ -12,7 +12,7 @@ import torch
 
 from loraplex.checkpoints.sources import resolve_model
 from loraplex.checkpoints.weights import WeightsError, load_state_dict
-from loraplex.config import ModelConfig
+from loraplex.models.config import ModelConfig
 from loraplex.engine.loading import build_model
 from loraplex.engine.requests.request import Request
 from loraplex.engine.worker.runner import ModelRunner

@@ -25,7 +25,8 @@ from torch import nn
 
 from loraplex.checkpoints.sources import resolve_model
 from loraplex.checkpoints.weights import load_state_dict
-from loraplex.config import EngineConfig, ModelConfig
+from loraplex.config import EngineConfig
+from loraplex.models.config import ModelConfig
 from loraplex.engine.loading import build_model, load_model
 from loraplex.models.registry import config_from_hf
 from loraplex.lora.step.layers import LoraLinear

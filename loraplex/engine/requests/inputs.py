@@ -12,7 +12,8 @@ import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from loraplex.config import EngineConfig, ModelConfig
+from loraplex.config import EngineConfig
+from loraplex.models.config import ModelConfig
 from loraplex.engine.requests.image_states import with_state_layout
 from loraplex.engine.scheduling.kv_cache import blocks_for
 from loraplex.engine.requests.request import RequestRefused
