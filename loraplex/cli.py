@@ -211,6 +211,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except TracingUnavailable as exc:
             raise UsageError(str(exc)) from exc
     logger = logging.getLogger("loraplex")
+    _check_lora_modules(args.lora_modules or ())
     sock = _bound_socket(args.hostname, args.port)
     # --json-output: every line on stderr is a JSON object, so progress goes through the logger, without bars.
     engine = _load_engine(args, show_progress=not args.json_output, log=logger.info if args.json_output else None)
@@ -237,6 +238,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     async_engine.shutdown()
     app.state.loraplex.validation.close()
     return 0
+
+
+def _check_lora_modules(entries) -> None:
+    """--lora-modules entries are read before any weight is (a typo is one line, exit 2)."""
+    from loraplex.lora.sources.named import AdapterModule
+
+    for entry in entries:
+        try:
+            AdapterModule.parse(entry)
+        except ValueError as exc:
+            raise UsageError(f"--lora-modules: {exc}") from None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -167,6 +167,15 @@ class ServerConfig:
         (), nargs="+", help="adapters (of --adapter-source) loaded at start and listed by /v1/models")
     max_cpu_adapters: int = setting(64, type=int,
                                     help="loaded adapters kept in host memory besides the preloaded ones (LRU)")
+    # Adapters served under names the operator chose (lora/sources/named.py), at start-up or at run time.
+    lora_modules: tuple[str, ...] = setting(
+        (), nargs="+",
+        help="adapters served under a name clients send as `model` or `adapter_id`: name=path, or JSON "
+             "{\"name\": ..., \"path\": ..., \"base_model_name\": ...}; path: a local directory, hub repo id or s3:// URI")
+    allow_runtime_lora_updating: bool = setting(
+        False, action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (and SGLang's /load_lora_adapter, "
+             "/unload_lora_adapter); they need the API key when --api-key is set")
     # lora/sources/hub_source.py
     adapter_access_ttl_s: float = setting(
         30.0, type=float,

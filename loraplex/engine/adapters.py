@@ -28,6 +28,8 @@ class EngineAdapters:
         self.scheduler = scheduler
         # Adapters of the requests in the engine, with how many requests use each.
         self.in_use: dict[str, tuple[LoraAdapter, int]] = {}
+        # Keys no new request will use (a name unloaded or replaced): evicted once no request uses them.
+        self.retired: set[str] = set()
 
     def use(self, adapter: LoraAdapter) -> None:
         """One more request uses `adapter` (checked against the model already: engine/requests/inputs.py)."""
@@ -67,6 +69,19 @@ class EngineAdapters:
         if slot is not None:
             slots.evict(key)
             self.lora.clear(slot)
+
+    def retire(self, key: str) -> None:
+        """No new request will use the adapter `key`: free its slot once the requests that use it are gone."""
+        self.retired.add(key)
+
+    def free_retired(self) -> None:
+        """Before a step is scheduled: the slots of retired adapters that no request uses any more are given back
+        to the scheduler (their weights stay on the device until another adapter is installed there: a step in
+        flight may still read them)."""
+        for key in [key for key in self.retired if key not in self.in_use]:
+            self.retired.discard(key)
+            if self.scheduler.slots.slot_of(key) is not None:
+                self.scheduler.slots.evict(key)
 
     def stage_next_installs(self) -> None:
         """Have the adapters that the waiting queue wants next, and no slot holds, laid out ahead of their

@@ -53,7 +53,14 @@ class AbortRequest:
     request_id: str
 
 
-Command = AddRequest | AbortRequest
+@dataclass(frozen=True)
+class RetireAdapter:
+    """No new request will name this adapter (its name was unloaded or replaced): free its slot once unused."""
+
+    key: str
+
+
+Command = AddRequest | AbortRequest | RetireAdapter
 
 
 @dataclass
@@ -138,6 +145,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(AbortRequest(request_id))
 
+    def retire_adapter(self, key: str) -> None:
+        """The adapter of store key `key` serves no new request: its device slot is freed once its requests end."""
+        self._send(RetireAdapter(key))
+
     def shutdown(self) -> None:
         self._stopped = True
         with self._wake:
@@ -182,6 +193,8 @@ class AsyncEngine:
                     self._deliver(command.request_id, error)
             case AbortRequest():
                 self.engine.abort_request(command.request_id)
+            case RetireAdapter():
+                self.engine.retire_adapter(command.key)
 
     def _step(self) -> None:
         try:

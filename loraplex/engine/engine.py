@@ -240,6 +240,13 @@ class Engine:
         self.runner.forget(request.request_id)
         return self.outputs.close(request.request_id)
 
+    def retire_adapter(self, key: str) -> None:
+        """No new request will name the adapter `key` (its name was unloaded or replaced): its slot is freed once
+        the requests that use it are gone."""
+        self.adapters.retire(key)
+        if self._in_flight is None:  # no step reads the slots now: free it at once if nothing uses it
+            self.adapters.free_retired()
+
     def evict_adapter(self, key: str) -> None:
         """Take the adapter `key` out of its device slot now, if it has one; no request may be using it."""
         self.adapters.evict(key)
@@ -257,6 +264,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Plan a step and run it (the overlapped loop when the engine was made with overlapped steps)."""
+        self.adapters.free_retired()
         return self._overlapped_step() if self._overlap else self._plain_step()
 
     def _plain_step(self) -> list[RequestOutput]:

@@ -1,5 +1,5 @@
-"""Why an adapter cannot be served: not found (404), found but refused (422 native / 400 OpenAI), or its source
-cannot be reached (503)."""
+"""Why an adapter cannot be served: not found (404), found but refused (422 native / 400 OpenAI), its name taken
+(409, run-time loads), or its source cannot be reached (503)."""
 
 
 class AdapterError(Exception):
@@ -12,6 +12,10 @@ class AdapterNotFound(AdapterError):
 
 class AdapterInvalid(AdapterError):
     """The adapter was found but cannot be served (unsupported option, bad tensors, ...)."""
+
+
+class AdapterNameTaken(AdapterError):
+    """A run-time load under a name that already serves an adapter, without asking to replace it (409)."""
 
 
 class AdapterSourceUnavailable(AdapterError):

@@ -12,9 +12,10 @@ from loraplex import __version__
 from loraplex.config import ServerConfig
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.stats import AdapterTargets
+from loraplex.lora.sources.named import AdapterModule
 from loraplex.lora.sources.store import AdapterStore
 from loraplex.protocol.openai import checked_sampling_defaults
-from loraplex.server import native, openai_routes, playground
+from loraplex.server import adapter_admin, native, openai_routes, playground
 from loraplex.server.docs import mount_docs
 from loraplex.server.errors import install_error_handlers
 from loraplex.server.metrics import Metrics
@@ -65,6 +66,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     app.include_router(native.router)
     app.include_router(openai_routes.router)
     app.include_router(playground.router)
+    app.include_router(adapter_admin.router)
 
     mount_docs(app)
 
@@ -83,5 +85,9 @@ def adapter_store(targets: AdapterTargets, config: ServerConfig) -> AdapterStore
         checkpoint_name=targets.checkpoint_name, access_ttl_s=config.adapter_access_ttl_s,
     )
     store.preload(config.preloaded_adapter_ids)
+    for entry in config.lora_modules:  # the operator's: any local directory, held for as long as the server runs
+        module = AdapterModule.parse(entry)
+        store.register(module.name, module.path, trusted=True)
+        log.info("adapter %r served from %s", module.name, module.path)
     return store
 

@@ -71,6 +71,8 @@ class Metrics:
             "lorax_request_input_length", "Prompt tokens per request", buckets=TOKEN_BUCKETS, registry=r
         )
         self.images = Counter("loraplex_images", "Images received in requests", registry=r)
+        self.adapter_admin = Counter("loraplex_adapter_admin", "Run-time adapter loads and unloads, by outcome",
+                                     ["action", "result"], registry=r)
         self.image_processing = Histogram(
             "loraplex_image_processing_seconds", "Seconds the processor took per request's images (resize, tile)",
             buckets=DURATION_BUCKETS, registry=r,
@@ -116,6 +118,11 @@ class Metrics:
     def watch_admission(self, admission: "Admission") -> None:
         """Expose the server's admitted load (server/admission.py) at scrape time."""
         self.registry.register(_AdmissionGauges(admission))
+
+    def on_adapter_admin(self, action: str, result: str) -> None:
+        """A run-time load or unload (server/adapter_admin.py): action load|unload, result loaded|replaced|
+        unloaded|refused."""
+        self.adapter_admin.labels(action, result).inc()
 
     def on_failure(self, kind: str) -> None:
         self.request_failure.labels(kind).inc()

@@ -62,6 +62,7 @@ from loraplex.lora.adapter import (
     load_adapter_dir,
 )
 from loraplex.lora.sources.hub_source import PUBLIC, HubSource, HuggingFaceHub, Snapshot, token_scope
+from loraplex.lora.sources.named import Named, NamedAdapters, check_name, source_of_path
 from loraplex.lora.merge import MAJORITY_SIGN_METHODS, MERGE_STRATEGIES, merge_adapters
 from loraplex.lora.sources.s3_source import S3_PREFIX, bucket_and_prefix, s3_adapter_dir
 
@@ -126,6 +127,7 @@ class AdapterStore:
         self.refusal_ttl_s, self._clock = refusal_ttl_s, clock
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(loader_threads, thread_name_prefix="loraplex-adapters")
+        self.named = NamedAdapters()  # adapters served under an operator's name (lora/sources/named.py)
 
     # ---- names -------------------------------------------------------------------------------------
 
@@ -143,12 +145,17 @@ class AdapterStore:
 
     def _adapter_names(self, adapter_id: str, source: str | None) -> tuple[str, str]:
         """(key, canonical id)."""
+        if source is None and adapter_id in self.named:  # a name is its own id
+            return adapter_id, adapter_id
         source = self.source_of(source)
         canonical = self.canonical_id(adapter_id, source)
         return (canonical if source == self.default_source else f"{source}:{canonical}"), canonical
 
     def canonical_id(self, adapter_id: str, source: str) -> str:
-        """The one id of the adapter `adapter_id` names in `source` (see the module's docstring)."""
+        """The one id of the adapter `adapter_id` names in `source` (see the module's docstring); a served name is
+        its own."""
+        if adapter_id in self.named:
+            return adapter_id
         if source == "local":
             # A few stat calls on the caller's thread: cheap next to a load, and needed before the cache.
             return self._local_id(adapter_id)
@@ -159,9 +166,11 @@ class AdapterStore:
         return adapter_id
 
     def loaded_ids(self) -> list[str]:
-        """Canonical ids of the default source's adapters in the CPU cache (merges excluded)."""
+        """The named adapters' names and the canonical ids of the default source's adapters in the CPU cache (merges
+        excluded)."""
         with self._lock:
-            return [self._names[k] for k in self._cache if k in self._names]
+            cached = [self._names[k] for k in self._cache if k in self._names]
+        return [*self.named.all(), *(i for i in cached if i not in self.named)]
 
     # ---- getting an adapter --------------------------------------------------------------------------
 
@@ -175,6 +184,9 @@ class AdapterStore:
     def load(self, adapter_id: str, source: str | None = None, api_token: str | None = None) -> LoraAdapter:
         """The adapter, from the cache or loaded now (blocking). Raises AdapterNotFound / AdapterInvalid.
         `api_token`: the request's Hugging Face token, for hub adapters (see lora/sources/hub_source.py)."""
+        named = self.named.get(adapter_id) if source is None else None
+        if named is not None:
+            return named.adapter
         names, future = self._adapter_future(adapter_id, source, api_token)
         try:
             return future.result()
@@ -183,6 +195,9 @@ class AdapterStore:
 
     async def get(self, adapter_id: str, source: str | None = None, api_token: str | None = None) -> LoraAdapter:
         """As `load`, without blocking the event loop."""
+        named = self.named.get(adapter_id) if source is None else None
+        if named is not None:
+            return named.adapter
         start = functools.partial(self._adapter_future, adapter_id, source, api_token)
         names, future = await asyncio.to_thread(start) if self.source_of(source) == "hub" else start()  # asks the hub
         try:
@@ -299,6 +314,48 @@ class AdapterStore:
 
     def _load_dir(self, path: pathlib.Path, name: str) -> LoraAdapter:
         return load_adapter_dir(path, name, self.base_shapes, self.max_rank, self.base_weight, self.checkpoint_name)
+
+    # ---- named adapters -------------------------------------------------------------------------------
+
+    def register(self, name: str, path: str, inplace: bool = False, pinned: bool = False,
+                 trusted: bool = False) -> tuple[LoraAdapter, LoraAdapter | None]:
+        """Read, check and pack the adapter at `path` (a local directory, hub repo id or s3:// URI) and serve it under
+        `name` (blocking): (the adapter, the one it replaced or None). A local path must lie inside the adapter
+        roots unless `trusted` (the operator's --lora-modules). Raises AdapterNameTaken (the name serves one and
+        `inplace` is false), AdapterNotFound or AdapterInvalid; on any error the name keeps what it served."""
+        check_name(name)
+        if not inplace:
+            self.named.check_free(name)  # before the read: a taken name costs nothing
+        adapter = self._read_path(path, name, trusted)
+        # Keyed by its weights: a replacement takes a new device slot, while running requests keep the old one.
+        adapter = replace(adapter, entry_key=f"{name}@{adapter.fingerprint.hex()[:16]}")
+        adapter.fingerprint  # the copy's, hashed here too (the engine thread reads it)
+        old = self.named.put(name, Named(adapter, path, pinned), inplace)
+        return adapter, (old.adapter if old is not None else None)
+
+    def unregister(self, name: str) -> LoraAdapter:
+        """Stop serving `name` (AdapterNotFound if it serves nothing); its adapter, for the engine to retire."""
+        return self.named.pop(name).adapter
+
+    def _read_path(self, path: str, name: str, trusted: bool) -> LoraAdapter:
+        source = source_of_path(path)
+        if source == "hub" and any((root / path).is_dir() for root in self.roots):  # a directory of a root
+            source = "local"
+        if source == "s3":
+            with s3_adapter_dir(path) as directory:
+                adapter = self._load_dir(directory, name)
+        elif source == "hub":
+            _check_repo_id(path)
+            adapter = self._load_dir(self.hub.resolve(path, None, None).path, name)
+        elif trusted:
+            directory = pathlib.Path(path).expanduser().resolve()
+            if not directory.is_dir():
+                raise AdapterNotFound(f"adapter {name!r}: {path} is not a directory")
+            adapter = self._load_dir(directory, name)
+        else:
+            adapter = self._load_dir(self._local_dir(path), name)
+        adapter.fingerprint  # hashed here, on the loading thread
+        return adapter
 
     # ---- sources -----------------------------------------------------------------------------------
 

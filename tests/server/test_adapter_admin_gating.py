@@ -1,0 +1,58 @@
+"""Run-time adapter management is off unless asked for, needs the API key when one is set, and frees an unloaded
+adapter's device slot once its requests are done (issue 56)."""
+
+from __future__ import annotations
+
+import pathlib
+
+from loraplex.config import ServerConfig
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.lora.adapter import load_adapter_dir
+from loraplex.params import SamplingParams
+from loraplex.server.app import create_app
+from tests.helpers import asgi_calls
+
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "examples" / "adapters"
+LOAD = {"lora_name": "nova", "lora_path": "name-nova"}
+
+
+def app_with(make_engine, **config):
+    engine = AsyncEngine(make_engine(max_batch_total_tokens=2048))
+    return create_app(engine, ServerConfig(adapter_source="local", adapter_roots=(str(ROOT),), **config)), engine
+
+
+def test_off_by_default_with_a_clear_404(make_engine):
+    app, engine = app_with(make_engine)
+    try:
+        load, unload = asgi_calls(app, ("POST", "/v1/load_lora_adapter", LOAD),
+                                  ("POST", "/unload_lora_adapter", {"lora_name": "nova"}))
+    finally:
+        engine.shutdown()
+    for response in (load, unload):
+        assert response.status_code == 404, response.text
+        assert "--allow-runtime-lora-updating" in response.json()["error"]["message"]
+
+
+def test_the_api_key_is_required(make_engine):
+    app, engine = app_with(make_engine, allow_runtime_lora_updating=True, api_keys=("secret",))
+    try:
+        refused, = asgi_calls(app, ("POST", "/v1/load_lora_adapter", LOAD))
+        assert refused.status_code == 401, refused.text
+        assert "nova" not in app.state.loraplex.adapters.named
+    finally:
+        engine.shutdown()
+
+
+def test_a_retired_adapters_slot_is_freed_once_its_requests_end(make_engine):
+    engine = make_engine(max_active_adapters=2)
+    adapter = load_adapter_dir(ROOT / "name-nova", "nova", engine.adapter_targets().base_shapes, 64)
+    request = engine.add_request([1, 2, 3, 4], SamplingParams(max_new_tokens=4, ignore_eos=True), adapter=adapter)
+    engine.step()
+    slots = engine.scheduler.slots
+    assert slots.slot_of(adapter.key) is not None and request.adapter_slot is not None
+    engine.retire_adapter(adapter.key)
+    assert slots.slot_of(adapter.key) is not None  # its request still runs on it
+    while engine.has_unfinished:
+        engine.step()
+    engine.step()  # the next step starts by freeing it
+    assert slots.slot_of(adapter.key) is None and not engine.adapters.retired
