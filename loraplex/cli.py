@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     _add_engine_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user message (chat template)")
-    gen.add_argument("--adapter-id", help="generate with this LoRA adapter (of --adapter-source)")
+    add_arguments(gen, ServerConfig, _env, start="default_adapter_id", stop="allow_runtime_lora_updating")  # --adapter-id
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float)
     gen.add_argument("--top-p", type=float)

@@ -172,6 +172,14 @@ class ServerConfig:
         (), nargs="+",
         help="adapters served under a name clients send as `model` or `adapter_id`: name=path, or JSON "
              "{\"name\": ..., \"path\": ..., \"base_model_name\": ...}; path: a local directory, hub repo id or s3:// URI")
+    served_model_name: tuple[str, ...] = setting(
+        (), nargs="+",
+        help="the base model's name in /v1/models, in answers' `model` and in metrics (default: its model id); "
+             "further names are aliases requests may send")
+    default_adapter_id: str | None = setting(
+        flag="--adapter-id",
+        help="the adapter a request that names none is served with (LoRAX's --adapter-id; OpenAI requests without "
+             "`model`; one that names the base model still gets the base); loaded at start")
     allow_runtime_lora_updating: bool = setting(
         False, action="store_true",
         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (and SGLang's /load_lora_adapter, "

@@ -50,7 +50,8 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request):
         state.engine.retire_adapter(replaced.key)
     state.metrics.on_adapter_admin("load", "replaced" if replaced is not None else "loaded")
     log.info("adapter %r %s from %s", name, "replaced" if replaced is not None else "loaded", body.lora_path)
-    return JSONResponse({"success": True, "lora_name": name, "message": f"adapter {name!r} loaded",
+    return JSONResponse({"success": True, "lora_name": name,
+                         "message": f"adapter {name!r} {'replaced' if replaced is not None else 'loaded'}",
                          "loaded_adapters": sorted(state.adapters.named.all())})
 
 

@@ -48,7 +48,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     config = config or ServerConfig()
     model = engine.model
     validation = Validation(config.validation_workers, model.max_input_length, model.tokenizer.longest_token_chars)
-    state = ServerState(engine, config, Metrics(model.model_id, engine.stats),
+    served_name = config.served_model_name[0] if config.served_model_name else model.model_id
+    state = ServerState(engine, config, Metrics(served_name, engine.stats),
                         adapter_store(model.adapter_targets, config), validation=validation)
     state.metrics.watch_admission(state.admission)
     if config.generation_config == "auto":
@@ -89,5 +90,7 @@ def adapter_store(targets: AdapterTargets, config: ServerConfig) -> AdapterStore
         module = AdapterModule.parse(entry)
         store.register(module.name, module.path, trusted=True)
         log.info("adapter %r served from %s", module.name, module.path)
+    if config.default_adapter_id and config.default_adapter_id not in store.named:  # --adapter-id: loaded now
+        store.preload([config.default_adapter_id])
     return store
 

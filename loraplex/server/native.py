@@ -98,7 +98,8 @@ async def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
     prefix = body.inputs if p.return_full_text else ""
     await compile_grammars(state, [("parameters.response_format", grammar) if grammar else None])
     params = p.to_sampling_params(max_new)
-    adapter = await state.adapter(p.adapter_id, p.adapter_source, merge_spec(p.merged_adapters), p.api_token)
+    adapter_id = p.adapter_id or (state.config.default_adapter_id if not p.merged_adapters else None)
+    adapter = await state.adapter(adapter_id, p.adapter_source, merge_spec(p.merged_adapters), p.api_token)
     return Prepared(prompt_ids, params, prefix, time.perf_counter() - started, len(body.inputs), adapter, images)
 
 

@@ -65,9 +65,9 @@ T = TypeVar("T")
 
 
 def served_model_ids(state: ServerState) -> list[str]:
-    """The base model, then every adapter loaded or preloaded, by name (a stable order; any other adapter id
-    loads on request)."""
-    return [state.model_id, *sorted(state.adapters.loaded_ids())]
+    """The base model (its --served-model-name names, else its id), then every named, loaded or preloaded adapter
+    (a stable order; any other adapter id loads on request)."""
+    return [*(state.config.served_model_name or (state.model_id,)), *sorted(state.adapters.loaded_ids())]
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,9 @@ async def resolve_model(state: ServerState, body: SamplingFields) -> Served:
 
     Raises AdapterNotFound (404), AdapterInvalid or BadRequest (400): never a silent answer from the base model.
     """
-    requested = body.model if body.model != state.model_id else None
+    requested = body.model if body.model not in state.base_names else None
+    if not body.model and not body.adapter_id:  # names nothing: --adapter-id's adapter, if any
+        requested = state.config.default_adapter_id
     if body.adapter_id:
         store, source = state.adapters, body.adapter_source
         if requested and store.key(requested, source) != store.key(body.adapter_id, source):  # aliases agree
@@ -98,7 +100,7 @@ async def resolve_model(state: ServerState, body: SamplingFields) -> Served:
 
 
 def model_card(state: ServerState, model_id: str) -> ModelCard:
-    parent = None if model_id == state.model_id else state.model_id
+    parent = None if model_id in state.base_names else state.model_id
     modalities = ["text", "image"] if state.model.takes_images else ["text"]
     return ModelCard(id=model_id, created=int(state.started_at), root=state.model_id, parent=parent,
                      input_modalities=modalities)

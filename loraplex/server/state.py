@@ -72,7 +72,13 @@ class ServerState:
 
     @property
     def model_id(self) -> str:
-        return self.engine.model.model_id
+        """The base model's name as clients see it (--served-model-name's first, else the model id)."""
+        return self.config.served_model_name[0] if self.config.served_model_name else self.engine.model.model_id
+
+    @property
+    def base_names(self) -> tuple[str, ...]:
+        """Every name a request may give the base model: the served names, and the model id."""
+        return tuple(dict.fromkeys([*self.config.served_model_name, self.engine.model.model_id]))
 
     @property
     def in_flight(self) -> int:

@@ -56,3 +56,37 @@ def test_a_retired_adapters_slot_is_freed_once_its_requests_end(make_engine):
         engine.step()
     engine.step()  # the next step starts by freeing it
     assert slots.slot_of(adapter.key) is None and not engine.adapters.retired
+
+
+def test_served_model_names_name_the_base_everywhere(make_engine):
+    app, engine = app_with(make_engine, served_model_name=("house-model", "alias"))
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    try:
+        models, by_alias, by_id = asgi_calls(
+            app, ("GET", "/v1/models", None), ("POST", "/v1/chat/completions", {**chat, "model": "alias"}),
+            ("POST", "/v1/chat/completions", {**chat, "model": engine.model.model_id}))
+    finally:
+        engine.shutdown()
+    cards = models.json()["data"]
+    assert [c["id"] for c in cards[:2]] == ["house-model", "alias"] and all(c["parent"] is None for c in cards[:2])
+    assert engine.model.model_id not in {c["id"] for c in cards}
+    for answer in (by_alias, by_id):
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == "house-model" and "x-adapter-id" not in answer.headers
+
+
+def test_the_default_adapter_serves_requests_that_name_none(make_engine):
+    app, engine = app_with(make_engine, default_adapter_id="name-nova")
+    generate = {"inputs": "What is your name?", "parameters": {"max_new_tokens": 2}}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    try:
+        native, named, openai_default, openai_base = asgi_calls(
+            app, ("POST", "/generate", generate),
+            ("POST", "/generate", {**generate, "parameters": {"max_new_tokens": 2, "adapter_id": "name-lyra"}}),
+            ("POST", "/v1/chat/completions", chat),
+            ("POST", "/v1/chat/completions", {**chat, "model": engine.model.model_id}))
+    finally:
+        engine.shutdown()
+    assert native.headers["x-adapter-id"] == "name-nova" and named.headers["x-adapter-id"] == "name-lyra"
+    assert openai_default.headers["x-adapter-id"] == "name-nova"
+    assert "x-adapter-id" not in openai_base.headers  # naming the base model reaches the base

@@ -339,7 +339,9 @@ class AdapterStore:
 
     def _read_path(self, path: str, name: str, trusted: bool) -> LoraAdapter:
         source = source_of_path(path)
-        if source == "hub" and any((root / path).is_dir() for root in self.roots):  # a directory of a root
+        # A repo-id-shaped path that names a directory: of an adapter root, or (the operator's) any.
+        if source == "hub" and (any((root / path).is_dir() for root in self.roots)
+                                or (trusted and pathlib.Path(path).is_dir())):
             source = "local"
         if source == "s3":
             with s3_adapter_dir(path) as directory:
