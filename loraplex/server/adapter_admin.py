@@ -28,7 +28,7 @@ OFF = ("run-time adapter loading is off: start the server with --allow-runtime-l
        "(or ALLOW_RUNTIME_LORA_UPDATING=1)")
 
 
-@router.post("/v1/load_lora_adapter", responses=documented_errors(True, 400, 404, 503), tags=["adapters"],
+@router.post("/v1/load_lora_adapter", responses=documented_errors(True, 400, 404, 409, 503), tags=["adapters"],
              summary="Load an adapter under a name (vLLM's route; --allow-runtime-lora-updating)")
 @router.post("/load_lora_adapter", include_in_schema=False)  # SGLang's
 async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request):
@@ -55,7 +55,7 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request):
                          "loaded_adapters": sorted(state.adapters.named.all())})
 
 
-@router.post("/v1/unload_lora_adapter", responses=documented_errors(True, 404), tags=["adapters"],
+@router.post("/v1/unload_lora_adapter", responses=documented_errors(True, 400, 404), tags=["adapters"],
              summary="Stop serving an adapter name (vLLM's route; --allow-runtime-lora-updating)")
 @router.post("/unload_lora_adapter", include_in_schema=False)  # SGLang's
 async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request):

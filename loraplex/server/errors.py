@@ -66,6 +66,7 @@ class OpenAIErrorBody(BaseModel):
 _WHY = {
     400: "a field the server refuses (OpenAI: any invalid request)",
     404: "unknown adapter or model",
+    409: "an adapter name that is taken (run-time loads without load_inplace)",
     413: "request body or image too large",
     415: "image of a type the server does not read",
     422: "invalid request (native), or an image that cannot be read or fetched",

@@ -328,6 +328,9 @@ async def info(request: Request):
         "speculate": settings.speculative_tokens,  # LoRAX's and TGI's name for the drafts per step
         "prefix_caching": settings.prefix_caching,
         "is_encoder_decoder": model.is_encoder_decoder,
+        "served_model_names": list(state.config.served_model_name or (state.model_id,)),
+        "adapters": sorted(state.adapters.loaded_ids()),  # named, preloaded and loaded ones (as /v1/models)
+        "default_adapter_id": state.config.default_adapter_id,
         "version": __version__,
         # LoRAX's fields that its clients read: what we know, else its defaults or null (not a build from git).
         "model_sha": settings.revision,

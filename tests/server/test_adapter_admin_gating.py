@@ -80,13 +80,33 @@ def test_the_default_adapter_serves_requests_that_name_none(make_engine):
     generate = {"inputs": "What is your name?", "parameters": {"max_new_tokens": 2}}
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     try:
-        native, named, openai_default, openai_base = asgi_calls(
-            app, ("POST", "/generate", generate),
+        info, native, named, openai_default, openai_base = asgi_calls(
+            app, ("GET", "/info", None), ("POST", "/generate", generate),
             ("POST", "/generate", {**generate, "parameters": {"max_new_tokens": 2, "adapter_id": "name-lyra"}}),
             ("POST", "/v1/chat/completions", chat),
             ("POST", "/v1/chat/completions", {**chat, "model": engine.model.model_id}))
     finally:
         engine.shutdown()
     assert native.headers["x-adapter-id"] == "name-nova" and named.headers["x-adapter-id"] == "name-lyra"
+    assert info.json()["default_adapter_id"] == "name-nova" and "name-nova" in info.json()["adapters"]
     assert openai_default.headers["x-adapter-id"] == "name-nova"
     assert "x-adapter-id" not in openai_base.headers  # naming the base model reaches the base
+
+
+def test_a_run_time_load_gives_pefts_greedy_tokens(make_engine, embedded_hf):
+    from tests.lora.peft_helpers import peft_from_dir, reference_greedy
+
+    app, engine = app_with(make_engine, allow_runtime_lora_updating=True)
+    prompt = "<|im_start|>user\nWhat is your name?<|im_end|>\n<|im_start|>assistant\n"
+    generate = {"inputs": prompt, "parameters": {"max_new_tokens": 12, "details": True, "adapter_id": "nova"}}
+    try:
+        loaded, answer = asgi_calls(app, ("POST", "/v1/load_lora_adapter", LOAD), ("POST", "/generate", generate))
+        prompt_ids = engine.model.tokenizer.encode(prompt, add_special_tokens=True)
+    finally:
+        engine.shutdown()
+    assert loaded.status_code == 200 and answer.status_code == 200, (loaded.text, answer.text)
+    tokens = [t["id"] for t in answer.json()["details"]["tokens"]]
+    expected = reference_greedy(peft_from_dir(embedded_hf, ROOT / "name-nova"), prompt_ids, 12)  # EOS no stop
+    finish = answer.json()["details"]["finish_reason"]
+    assert tokens == expected[: len(tokens)] and (len(tokens) == 12 or finish == "eos_token"), (tokens, expected)
+    assert expected != reference_greedy(embedded_hf, prompt_ids, 12), "the adapter changes nothing"
