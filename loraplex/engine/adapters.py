@@ -72,6 +72,7 @@ class EngineAdapters:
 
     def retire(self, key: str) -> None:
         """No new request will use the adapter `key`: free its slot once the requests that use it are gone."""
+        self.scheduler.slots.unhold(key)
         self.retired.add(key)
 
     def free_retired(self) -> None:

@@ -60,7 +60,14 @@ class RetireAdapter:
     key: str
 
 
-Command = AddRequest | AbortRequest | RetireAdapter
+@dataclass(frozen=True)
+class HoldAdapter:
+    """This adapter keeps its device slot once it has one (a pinned run-time load)."""
+
+    key: str
+
+
+Command = AddRequest | AbortRequest | RetireAdapter | HoldAdapter
 
 
 @dataclass
@@ -145,6 +152,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(AbortRequest(request_id))
 
+    def hold_adapter(self, key: str) -> None:
+        """The adapter of store key `key` keeps its device slot once it has one, until it is retired."""
+        self._send(HoldAdapter(key))
+
     def retire_adapter(self, key: str) -> None:
         """The adapter of store key `key` serves no new request: its device slot is freed once its requests end."""
         self._send(RetireAdapter(key))
@@ -195,6 +206,8 @@ class AsyncEngine:
                 self.engine.abort_request(command.request_id)
             case RetireAdapter():
                 self.engine.retire_adapter(command.key)
+            case HoldAdapter():
+                self.engine.hold_adapter(command.key)
 
     def _step(self) -> None:
         try:

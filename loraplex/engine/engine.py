@@ -247,6 +247,11 @@ class Engine:
         if self._in_flight is None:  # no step reads the slots now: free it at once if nothing uses it
             self.adapters.free_retired()
 
+    def hold_adapter(self, key: str) -> None:
+        """The adapter `key` keeps its device slot once it has one (a pinned run-time load), until it is retired."""
+        if not self.scheduler.slots.hold(key):
+            log.warning("adapter %r is not pinned: all but one of the adapter slots are pinned already", key)
+
     def evict_adapter(self, key: str) -> None:
         """Take the adapter `key` out of its device slot now, if it has one; no request may be using it."""
         self.adapters.evict(key)

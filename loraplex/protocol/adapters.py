@@ -9,7 +9,7 @@ class LoadLoraAdapterRequest(RequestModel):
     lora_name: str  # what clients then send as `model` or `adapter_id`
     lora_path: str  # a local directory inside the adapter roots, a hub repo id, or an s3:// URI
     load_inplace: bool = False  # replace the adapter the name serves (running requests keep theirs)
-    pinned: bool = False  # SGLang's: the adapter keeps its device slot (accepted; see the README)
+    pinned: bool = False  # SGLang's: the adapter keeps its device slot once it has one
 
 
 class UnloadLoraAdapterRequest(RequestModel):

@@ -36,6 +36,11 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request):
     if not state.config.allow_runtime_lora_updating:
         return openai_error(404, OFF, "not_found_error", code="runtime_lora_updating_off")
     name = body.lora_name
+    most = state.model.settings.max_active_adapters - 1  # one slot always rotates
+    pinned = [n for n, named in state.adapters.named.all().items() if named.pinned and n != name]
+    if body.pinned and len(pinned) >= most:
+        return _refused(state, "load", 400, f"at most {most} adapters may be pinned (--max-active-adapters - 1); "
+                        f"pinned now: {', '.join(sorted(pinned)) or 'none'}", "invalid_request_error", "too_many_pinned")
     try:
         adapter, replaced = await asyncio.to_thread(
             state.adapters.register, name, body.lora_path, body.load_inplace, body.pinned
@@ -48,6 +53,8 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request):
         return _refused(state, "load", 400, str(exc), "invalid_request_error", "invalid_adapter")
     if replaced is not None and replaced.key != adapter.key:
         state.engine.retire_adapter(replaced.key)
+    if body.pinned:
+        state.engine.hold_adapter(adapter.key)
     state.metrics.on_adapter_admin("load", "replaced" if replaced is not None else "loaded")
     log.info("adapter %r %s from %s", name, "replaced" if replaced is not None else "loaded", body.lora_path)
     return JSONResponse({"success": True, "lora_name": name,

@@ -441,3 +441,22 @@ def test_eviction_spares_an_adapter_a_waiting_request_wants():
     assert slots.acquire("c") == (slots.slot_of("c"), True)
     assert slots.slot_of("a") is not None and slots.slot_of("b") is None  # "b" went: nobody waits for it
     assert slots.acquire("a")[1] is False  # still in its slot: no reinstall
+
+
+def test_a_held_adapter_keeps_its_slot_and_never_drains():
+    now = [0.0]
+    slots = AdapterResidency(2, cycle_time_s=1.0, clock=lambda: now[0])
+    assert slots.hold("pinned") and not slots.hold("second")  # one slot always rotates
+    slot, _ = slots.acquire("pinned")
+    slots.release("pinned")
+    for adapter in ("a", "b", "c", "a"):  # the others take turns in the one slot left
+        slots.begin_step([adapter])
+        got = slots.acquire(adapter)
+        assert got is not None and got[0] != slot, adapter
+        slots.release(adapter)
+    now[0] = 10.0
+    slots.begin_step(["d"])
+    assert slots.may_admit("pinned") and slots.slot_of("pinned") == slot
+    slots.unhold("pinned")  # now the least recently used: the next adapter that needs a slot takes its slot
+    slots.begin_step(["e"])
+    assert slots.acquire("e") == (slot, True) and slots.slot_of("pinned") is None

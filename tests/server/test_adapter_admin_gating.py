@@ -110,3 +110,21 @@ def test_a_run_time_load_gives_pefts_greedy_tokens(make_engine, embedded_hf):
     finish = answer.json()["details"]["finish_reason"]
     assert tokens == expected[: len(tokens)] and (len(tokens) == 12 or finish == "eos_token"), (tokens, expected)
     assert expected != reference_greedy(embedded_hf, prompt_ids, 12), "the adapter changes nothing"
+
+
+def test_pinning_is_refused_past_all_but_one_slot(make_engine):
+    engine = AsyncEngine(make_engine(max_batch_total_tokens=2048, max_active_adapters=3))
+    app = create_app(engine, ServerConfig(adapter_source="local", adapter_roots=(str(ROOT),),
+                                          allow_runtime_lora_updating=True))
+    load = lambda name, path: ("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path,  # noqa: E731
+                                                                  "pinned": True})
+    try:
+        # The engine applies commands in order: once the last request is answered, the holds before it are in.
+        first, second, third, _ = asgi_calls(app, load("a", "name-nova"), load("b", "name-lyra"),
+                                             load("c", "name-orion"),
+                                             ("POST", "/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 1}}))
+        assert engine.engine.scheduler.slots.held == {app.state.loraplex.adapters.load(n).key for n in ("a", "b")}
+    finally:
+        engine.shutdown()
+    assert first.status_code == second.status_code == 200, (first.text, second.text)
+    assert third.status_code == 400 and third.json()["error"]["code"] == "too_many_pinned", third.text

@@ -6,6 +6,8 @@
   adapters that have held their slot for longer than `cycle_time_s` stop admitting new requests.
   Their running requests finish, the slot unpins, and the adapter that has waited longest takes it.
   So no adapter waits forever, however busy the others are.
+- A held adapter (a run-time load with `pinned`) keeps its slot once it has one: it is never evicted for another
+  and never drains. At most num_slots - 1 adapters are held, so the others still rotate through one slot.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class AdapterResidency:
         self._recency: OrderedDict[str, None] = OrderedDict()  # least recently used first
         self._draining: set[str] = set()
         self._wanted: set[str] = set()  # adapters of this step's waiting requests
+        self._held: set[str] = set()  # adapters that keep their slot (`hold`)
 
     def slot_of(self, adapter: str) -> int | None:
         return self._slot_of.get(adapter)
@@ -39,6 +42,21 @@ class AdapterResidency:
     def active(self) -> list[str]:
         return [a for a in self.occupant if a is not None]
 
+    def hold(self, adapter: str) -> bool:
+        """Keep `adapter`'s slot, once it has one, until `unhold`; False (nothing held) when num_slots - 1 adapters
+        are held already."""
+        if adapter not in self._held and len(self._held) >= self.num_slots - 1:
+            return False
+        self._held.add(adapter)
+        return True
+
+    def unhold(self, adapter: str) -> None:
+        self._held.discard(adapter)
+
+    @property
+    def held(self) -> frozenset[str]:
+        return frozenset(self._held)
+
     # ---- each step ---------------------------------------------------------------------------------
 
     def begin_step(self, wanted: list[str]) -> None:
@@ -49,7 +67,7 @@ class AdapterResidency:
             self._draining = set()
             return
         now = self.clock()
-        self._draining = {a for a, since in self._since.items() if now - since >= self.cycle_time_s}
+        self._draining = {a for a, since in self._since.items() if now - since >= self.cycle_time_s and a not in self._held}
 
     def may_admit(self, adapter: str) -> bool:
         """Whether a waiting request for `adapter` may start now (its adapter is not draining)."""
@@ -85,6 +103,7 @@ class AdapterResidency:
         """Take `adapter` out of its slot now, leaving the slot free (its install failed: the slot holds nothing
         usable). No running request may use it."""
         assert adapter not in self._pins, f"adapter {adapter} is evicted while running requests use it"
+        self._held.discard(adapter)
         slot = self._slot_of.pop(adapter)
         del self._since[adapter], self._recency[adapter]
         self._draining.discard(adapter)
@@ -93,7 +112,7 @@ class AdapterResidency:
     # ---- helpers -----------------------------------------------------------------------------------
 
     def _can_take_slot(self) -> bool:
-        return None in self.occupant or any(a not in self._pins for a in self._slot_of)
+        return None in self.occupant or any(a not in self._pins and a not in self._held for a in self._slot_of)
 
     def _take_slot(self) -> int | None:
         """A free slot, else the least recently used unpinned one (evicting its adapter)."""
@@ -101,7 +120,7 @@ class AdapterResidency:
             return self.occupant.index(None)
         # Draining adapters go first (rotation is making room for others), then adapters no waiting
         # request wants (evicting a wanted one would only reinstall it elsewhere), then the LRU one.
-        candidates = [a for a in self._recency if a not in self._pins]
+        candidates = [a for a in self._recency if a not in self._pins and a not in self._held]
         if not candidates:
             return None
         victim = next(
