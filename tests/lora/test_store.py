@@ -646,3 +646,29 @@ def test_merge_of_an_invalid_adapter_is_invalid(store, root):
     write_adapter(root / "dora", config={"use_dora": True})
     with pytest.raises(AdapterInvalid, match="DoRA"):
         asyncio.run(store.get_merged(MergeSpec(("a", "dora"), (0.5, 0.5))))
+
+
+def test_a_new_source_plugs_in_through_the_adapter_source_interface(tmp_path):
+    """lora/sources/source.py: a source gives canonical ids and lends a directory; the store does the rest."""
+    import contextlib
+
+    shelf = {"first": write_adapter(tmp_path / "shelf" / "one", seed=1)}
+
+    class Shelf:
+        def canonical_id(self, adapter_id: str) -> str:
+            if adapter_id.lower() not in shelf:
+                raise AdapterNotFound(f"adapter {adapter_id!r} is not on the shelf")
+            return adapter_id.lower()
+
+        @contextlib.contextmanager
+        def directory(self, canonical_id: str):
+            yield shelf[canonical_id]
+
+    store = AdapterStore(BASE, MAX_RANK, default_source="local", sources={"shelf": Shelf()})
+    adapter = asyncio.run(store.get("FIRST", source="shelf"))
+    assert adapter.adapter_id == "shelf:first" and set(adapter.modules) == set(BASE)
+    assert asyncio.run(store.get("first", source="shelf")) is adapter  # one canonical id, one cache entry
+    with pytest.raises(AdapterNotFound, match="not on the shelf"):
+        asyncio.run(store.get("second", source="shelf"))
+    with pytest.raises(AdapterInvalid, match="choose one of hub, local, s3, shelf"):
+        asyncio.run(store.get("first", source="attic"))

@@ -71,3 +71,14 @@ def s3_adapter_dir(adapter_id: str) -> Iterator[pathlib.Path]:
             except BotoCoreError as exc:  # no credentials, no endpoint, ...
                 raise AdapterNotFound(f"adapter {adapter_id!r}: S3 is not reachable: {exc}") from exc
         yield pathlib.Path(directory)
+
+
+class S3Source:
+    """Adapters in S3 buckets (an AdapterSource): canonical id `s3://bucket/path`, however the bucket was named."""
+
+    def canonical_id(self, adapter_id: str) -> str:
+        bucket, prefix = bucket_and_prefix(adapter_id)
+        return f"{S3_PREFIX}{bucket}/{prefix}"
+
+    def directory(self, canonical_id: str):
+        return s3_adapter_dir(canonical_id)

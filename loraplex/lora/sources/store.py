@@ -11,11 +11,11 @@ only the requests that asked for that adapter. A refusal (AdapterInvalid) is rem
 Sources, and the canonical id each gives an adapter (one adapter = one id = one `/v1/models` entry, one
 metric label, and one cache entry but for hub adapters, below; `key` computes it before the cache is
 looked at). A request's `api_token` is for hub adapters only: local and s3 ones are the server's to serve.
-- `local`: the id is a directory (absolute, or relative to an adapter root) that must resolve, after
-  symlinks, inside one of the `roots`. No roots: local loading is off. Canonical id: the resolved
-  directory's path relative to the first root holding it (`name-nova`, never `name-nova/./` or an
-  absolute path). A directory that this relative id would not reach (an earlier root holds one of the
-  same name) is refused rather than named by its server path.
+A source of files is an `AdapterSource` (lora/sources/source.py: the extension point for a new one):
+- `local`: a directory inside one of the `roots` (lora/sources/local_source.py). Canonical id: its path
+  relative to the first root holding it.
+- `s3`: a directory in an S3 bucket, as LoRAX names it (lora/sources/s3_source.py). Canonical id:
+  `s3://bucket/path`, however the bucket was named.
 - `hub`: a Hugging Face repo id. Canonical id: the repo id exactly as given; malformed ones are refused.
   Every request asks the hub (`HubSource`, lora/sources/hub_source.py) with its own `api_token` whether it may
   read the repo and at which commit (an answer is reused for `access_ttl_s`, for the same repo and token
@@ -25,8 +25,8 @@ looked at). A request's `api_token` is for hub adapters only: local and s3 ones 
   another, gets "not found" from the hub, never the cached entry. An adapter's `key` (what the engine
   keys slots by) is its entry's; its `adapter_id`, what clients, logs and metrics see, stays the id.
   Only public entries are listed; a newer commit's entry replaces the older one of the same scope.
-- `s3`: a directory in an S3 bucket, as LoRAX names it (lora/sources/s3_source.py). Canonical id:
-  `s3://bucket/path`, however the bucket was named.
+- Names (lora/sources/named.py): `--lora-modules` and run-time loads serve an adapter under a name, looked up
+  before any source.
 
 Errors a client sees name the adapter by the id that client gave (never a server path, nor the alias
 another client used for the same adapter: loads and refusals are shared).
@@ -50,8 +50,6 @@ from typing import Callable, Sequence
 import torch
 
 from loraplex.lora.adapter import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
     AdapterError,
     AdapterInvalid,
     AdapterNotFound,
@@ -64,9 +62,10 @@ from loraplex.lora.adapter import (
 from loraplex.lora.sources.hub_source import PUBLIC, HubSource, HuggingFaceHub, Snapshot, token_scope
 from loraplex.lora.sources.named import Named, NamedAdapters, check_name, source_of_path
 from loraplex.lora.merge import MAJORITY_SIGN_METHODS, MERGE_STRATEGIES, merge_adapters
-from loraplex.lora.sources.s3_source import S3_PREFIX, bucket_and_prefix, s3_adapter_dir
+from loraplex.lora.sources.local_source import LocalSource
+from loraplex.lora.sources.s3_source import S3Source
+from loraplex.lora.sources.source import AdapterSource
 
-SOURCES = ("local", "hub", "s3")
 # How long a refused adapter (AdapterInvalid) is answered from memory before its files are read again.
 REFUSAL_TTL_S = 10.0
 # How long the hub's answer to "may this token scope read this repo, and at which commit" is reused for
@@ -104,15 +103,16 @@ class AdapterStore:
         checkpoint_name: CheckpointName | None = None,
         hub: HubSource | None = None,
         access_ttl_s: float = ACCESS_TTL_S,
+        sources: dict[str, AdapterSource] | None = None,
     ) -> None:
-        if default_source not in SOURCES:
-            raise ValueError(f"unknown adapter source {default_source!r}; choose one of {', '.join(SOURCES)}")
+        # The sources of files (lora/sources/source.py, the extension point); the hub ("hub") is served beside them.
+        self.local = LocalSource(roots)
+        self.sources: dict[str, AdapterSource] = {"local": self.local, "s3": S3Source(), **(sources or {})}
+        self.source_names = ("hub", *self.sources)
+        if default_source not in self.source_names:
+            raise ValueError(f"unknown adapter source {default_source!r}; choose one of {', '.join(self.source_names)}")
         self.base_shapes, self.max_rank, self.base_weight = base_shapes, max_rank, base_weight
         self.checkpoint_name = checkpoint_name  # the model's layout mapping, for adapters of another layout
-        self.roots = [pathlib.Path(r).expanduser().resolve() for r in roots]
-        for root in self.roots:
-            if not root.is_dir():
-                raise ValueError(f"adapter root {root} is not a directory")
         self.default_source = default_source
         self.max_cpu_adapters = max_cpu_adapters  # besides the preloaded ones
         self._cache: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
@@ -133,8 +133,8 @@ class AdapterStore:
 
     def source_of(self, source: str | None) -> str:
         source = source or self.default_source
-        if source not in SOURCES:
-            raise AdapterInvalid(f"adapter_source {source!r} is not served; choose one of {', '.join(SOURCES)}")
+        if source not in self.source_names:
+            raise AdapterInvalid(f"adapter_source {source!r} is not served; choose one of {', '.join(self.source_names)}")
         return source
 
     def key(self, adapter_id: str, source: str | None = None) -> str:
@@ -156,12 +156,8 @@ class AdapterStore:
         its own."""
         if adapter_id in self.named:
             return adapter_id
-        if source == "local":
-            # A few stat calls on the caller's thread: cheap next to a load, and needed before the cache.
-            return self._local_id(adapter_id)
-        if source == "s3":
-            bucket, prefix = bucket_and_prefix(adapter_id)
-            return f"{S3_PREFIX}{bucket}/{prefix}"
+        if source != "hub":  # local: a few stat calls on the caller's thread, cheap next to a load
+            return self.sources[source].canonical_id(adapter_id)
         _check_repo_id(adapter_id)
         return adapter_id
 
@@ -305,12 +301,10 @@ class AdapterStore:
         self._names.pop(key, None)
         self._families.pop(key, None)
 
-    def _read(self, name: str, adapter_id: str, source: str) -> LoraAdapter:
-        """A local or s3 adapter (hub adapters are read from the snapshot `_granted` gave)."""
-        if source == "s3":  # downloaded to a temporary directory for the read
-            with s3_adapter_dir(adapter_id) as path:
-                return self._load_dir(path, name)
-        return self._load_dir(self._local_dir(adapter_id), name)
+    def _read(self, name: str, canonical_id: str, source: str) -> LoraAdapter:
+        """An adapter of a source of files (hub adapters are read from the snapshot `_granted` gave)."""
+        with self.sources[source].directory(canonical_id) as path:  # s3: downloaded to a temporary directory
+            return self._load_dir(path, name)
 
     def _load_dir(self, path: pathlib.Path, name: str) -> LoraAdapter:
         return load_adapter_dir(path, name, self.base_shapes, self.max_rank, self.base_weight, self.checkpoint_name)
@@ -340,62 +334,20 @@ class AdapterStore:
     def _read_path(self, path: str, name: str, trusted: bool) -> LoraAdapter:
         source = source_of_path(path)
         # A repo-id-shaped path that names a directory: of an adapter root, or (the operator's) any.
-        if source == "hub" and (any((root / path).is_dir() for root in self.roots)
-                                or (trusted and pathlib.Path(path).is_dir())):
+        if source == "hub" and (self.local.holds(path) or (trusted and pathlib.Path(path).is_dir())):
             source = "local"
-        if source == "s3":
-            with s3_adapter_dir(path) as directory:
-                adapter = self._load_dir(directory, name)
+        if source == "s3" or (source == "local" and not trusted):
+            adapter = self._read(name, self.sources[source].canonical_id(path), source)
         elif source == "hub":
             _check_repo_id(path)
             adapter = self._load_dir(self.hub.resolve(path, None, None).path, name)
-        elif trusted:
+        else:  # the operator's local path: anywhere
             directory = pathlib.Path(path).expanduser().resolve()
             if not directory.is_dir():
                 raise AdapterNotFound(f"adapter {name!r}: {path} is not a directory")
             adapter = self._load_dir(directory, name)
-        else:
-            adapter = self._load_dir(self._local_dir(path), name)
         adapter.fingerprint  # hashed here, on the loading thread
         return adapter
-
-    # ---- sources -----------------------------------------------------------------------------------
-
-    def _local_id(self, adapter_id: str) -> str:
-        """The resolved directory's path relative to the first root holding it."""
-        path = self._local_dir(adapter_id)
-        root = next(root for root in self.roots if path.is_relative_to(root))
-        relative = path.relative_to(root).as_posix()
-        if self._local_dir(relative) != path:  # only reachable by its absolute path: not given a name
-            raise AdapterInvalid(
-                f"adapter {adapter_id!r} is hidden by the adapter {relative!r} of an earlier adapter root"
-            )
-        return relative
-
-    def _local_dir(self, adapter_id: str) -> pathlib.Path:
-        if not self.roots:
-            raise AdapterNotFound(
-                f"adapter {adapter_id!r}: local adapters are off (start the server with --adapter-root DIR)"
-            )
-        try:
-            given = pathlib.Path(adapter_id).expanduser()
-            candidates = [given] if given.is_absolute() else [root / given for root in self.roots]
-            for candidate in candidates:
-                resolved = candidate.resolve()
-                self._check_inside_roots(adapter_id, resolved)
-                if resolved.is_dir():
-                    # The files too: a symlinked file must not reach outside the roots either.
-                    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-                        self._check_inside_roots(adapter_id, (resolved / name).resolve())
-                    return resolved
-        except (ValueError, OSError, RuntimeError) as exc:  # NUL bytes, names too long, unknown ~user
-            # Not `exc` itself: an OSError's text carries the server's path.
-            raise AdapterNotFound(f"adapter {adapter_id!r} cannot name a directory ({type(exc).__name__})") from exc
-        raise AdapterNotFound(f"adapter {adapter_id!r} not found in the adapter roots")
-
-    def _check_inside_roots(self, adapter_id: str, path: pathlib.Path) -> None:
-        if not any(path.is_relative_to(root) for root in self.roots):
-            raise AdapterInvalid(f"adapter {adapter_id!r} resolves outside the adapter roots (--adapter-root)")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
