@@ -88,7 +88,7 @@ def adapter_store(targets: AdapterTargets, config: ServerConfig) -> AdapterStore
     store.preload(config.preloaded_adapter_ids)
     for entry in config.lora_modules:  # the operator's: any local directory, held for as long as the server runs
         module = AdapterModule.parse(entry)
-        store.register(module.name, module.path, trusted=True)
+        store.register(module.name, module.path, trusted=True, base_model_name=module.base_model_name)
         log.info("adapter %r served from %s", module.name, module.path)
     if config.default_adapter_id and config.default_adapter_id not in store.named:  # --adapter-id: loaded now
         store.preload([config.default_adapter_id])

@@ -100,7 +100,8 @@ async def resolve_model(state: ServerState, body: SamplingFields) -> Served:
 
 
 def model_card(state: ServerState, model_id: str) -> ModelCard:
-    parent = None if model_id in state.base_names else state.model_id
+    named = state.adapters.named.get(model_id)
+    parent = None if model_id in state.base_names else (named and named.base_model_name) or state.model_id
     modalities = ["text", "image"] if state.model.takes_images else ["text"]
     return ModelCard(id=model_id, created=int(state.started_at), root=state.model_id, parent=parent,
                      input_modalities=modalities)

@@ -42,7 +42,7 @@ def hostile_root(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def server(hostile_root) -> str:
-    module = json.dumps({"name": "nova", "path": str(ROOT / "name-nova"), "base_model_name": "ignored"})
+    module = json.dumps({"name": "nova", "path": str(ROOT / "name-nova"), "base_model_name": "smollm2"})
     with live_server(
         "--adapter-source", "local", "--adapter-root", str(ROOT), "--adapter-root", str(hostile_root),
         "--allow-runtime-lora-updating",
@@ -79,7 +79,7 @@ def test_lora_modules_serve_their_names_to_the_openai_client_and_are_listed(serv
         assert _names_in(answer.choices[0].message.content) == {expected}, answer
     listed = {m.id: m for m in client.models.list().data}
     base = next(m for m in listed.values() if m.parent is None).id
-    assert listed["nova"].parent == base and listed["orion"].parent == base
+    assert listed["nova"].parent == "smollm2" and listed["orion"].parent == base  # JSON's base_model_name
 
 
 def test_a_run_time_load_serves_what_the_directory_serves(server):

@@ -83,6 +83,7 @@ class Named:
     adapter: LoraAdapter
     path: str
     pinned: bool  # keeps its device slot (SGLang's `pinned`)
+    base_model_name: str | None = None  # its `parent` in /v1/models (vLLM's field; None: the served base)
 
 
 class NamedAdapters:

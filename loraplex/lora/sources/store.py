@@ -312,7 +312,7 @@ class AdapterStore:
     # ---- named adapters -------------------------------------------------------------------------------
 
     def register(self, name: str, path: str, inplace: bool = False, pinned: bool = False,
-                 trusted: bool = False) -> tuple[LoraAdapter, LoraAdapter | None]:
+                 trusted: bool = False, base_model_name: str | None = None) -> tuple[LoraAdapter, LoraAdapter | None]:
         """Read, check and pack the adapter at `path` (a local directory, hub repo id or s3:// URI) and serve it under
         `name` (blocking): (the adapter, the one it replaced or None). A local path must lie inside the adapter
         roots unless `trusted` (the operator's --lora-modules). Raises AdapterNameTaken (the name serves one and
@@ -324,7 +324,7 @@ class AdapterStore:
         # Keyed by its weights: a replacement takes a new device slot, while running requests keep the old one.
         adapter = replace(adapter, entry_key=f"{name}@{adapter.fingerprint.hex()[:16]}")
         adapter.fingerprint  # the copy's, hashed here too (the engine thread reads it)
-        old = self.named.put(name, Named(adapter, path, pinned), inplace)
+        old = self.named.put(name, Named(adapter, path, pinned, base_model_name), inplace)
         return adapter, (old.adapter if old is not None else None)
 
     def unregister(self, name: str) -> LoraAdapter:
