@@ -113,7 +113,7 @@ class Engine:
         overlap = config.overlap_steps
         self._overlap = (self.runner.decode_graphs is not None if overlap is None else overlap) and (
             config.speculative_tokens == 0)
-        self._in_flight: InFlight | None = None  # the step launched and not read yet (overlap.py)
+        self._in_flight: InFlight | None = None  # the step launched and not read yet (worker/overlap.py)
 
     @classmethod
     def from_config(cls, config: EngineConfig, show_progress: bool = False, log=None) -> "Engine":
@@ -262,7 +262,7 @@ class Engine:
 
     @property
     def step_in_flight(self) -> bool:
-        """Whether the last `step` left its step launched on the device (overlap.py), its tokens read by the next."""
+        """Whether the last `step` left its step launched on the device (worker/overlap.py), its tokens read by the next."""
         return self._in_flight is not None
 
     # ---- the step -------------------------------------------------------------------------------
@@ -398,7 +398,7 @@ class Engine:
         return outputs
 
     def _append_token(self, request: Request, result: SampledToken, now: float, place: int | None = None) -> RequestOutput:
-        """`place`: the index of the token's placeholder in output_ids (overlap.py); None: appended."""
+        """`place`: the index of the token's placeholder in output_ids (worker/overlap.py); None: appended."""
         appended = self.outputs.append(request, result, now, place)
         if appended.error is not None:
             return self._fail(request, appended.error)

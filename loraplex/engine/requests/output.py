@@ -82,7 +82,7 @@ class OutputProcessor:
         return self._streams.pop(request_id, None)
 
     def append(self, request: Request, result: SampledToken, now: float, place: int | None = None) -> Appended:
-        """`place`: the index of the token's placeholder in output_ids (overlap.py); None: appended."""
+        """`place`: the index of the token's placeholder in output_ids (engine/worker/overlap.py); None: appended."""
         token_id = result.token_id
         stream = self._streams[request.request_id]
         stream.first_token_time = stream.first_token_time or now
