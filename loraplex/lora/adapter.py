@@ -257,6 +257,15 @@ class LoraAdapter:
         modules = {m: w.to(device, dtype) for m, w in self.modules.items()}
         return LoraAdapter(self.adapter_id, modules, self.config, self.entry_key)
 
+    def keyed(self, entry_key: str) -> "LoraAdapter":
+        """This adapter under another cache key: the same weights, and whatever was already computed of them (its
+        fingerprint, its layout) carried over rather than computed again."""
+        copy = dataclasses.replace(self, entry_key=entry_key)
+        for cached in ("fingerprint", "layout"):
+            if cached in self.__dict__:
+                copy.__dict__[cached] = self.__dict__[cached]
+        return copy
+
     def packed(self) -> "LoraAdapter":
         """This adapter with its weights copied into one buffer (`flat`; the modules' dtype and device)."""
         if not self.modules:

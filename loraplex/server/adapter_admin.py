@@ -34,23 +34,23 @@ OFF = ("run-time adapter loading is off: start the server with --allow-runtime-l
 async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request):
     state = get_state(request)
     if not state.config.allow_runtime_lora_updating:
-        return openai_error(404, OFF, "not_found_error", code="runtime_lora_updating_off")
+        return _off()
     name = body.lora_name
     most = state.model.settings.max_active_adapters - 1  # one slot always rotates
     pinned = [n for n, named in state.adapters.named.all().items() if named.pinned and n != name]
     if body.pinned and len(pinned) >= most:
         return _refused(state, "load", 400, f"at most {most} adapters may be pinned (--max-active-adapters - 1); "
-                        f"pinned now: {', '.join(sorted(pinned)) or 'none'}", "invalid_request_error", "too_many_pinned")
+                        f"pinned now: {', '.join(sorted(pinned)) or 'none'}", "pinned", "too_many_pinned")
     try:
         adapter, replaced = await asyncio.to_thread(
             state.adapters.register, name, body.lora_path, body.load_inplace, body.pinned
         )
     except AdapterNameTaken as exc:
-        return _refused(state, "load", 409, str(exc), "conflict_error", "adapter_name_taken")
+        return _refused(state, "load", 409, str(exc), "lora_name", "adapter_name_taken")
     except AdapterSourceUnavailable as exc:
-        return _refused(state, "load", 503, str(exc), "server_error", "adapter_source_unavailable")
+        return _refused(state, "load", 503, str(exc), "lora_path", "adapter_source_unavailable")
     except (AdapterInvalid, AdapterNotFound) as exc:  # the existing checks' reason, naming the adapter by its name
-        return _refused(state, "load", 400, str(exc), "invalid_request_error", "invalid_adapter")
+        return _refused(state, "load", 400, str(exc), "lora_path", "invalid_adapter")
     if replaced is not None and replaced.key != adapter.key:
         state.engine.retire_adapter(replaced.key)
     if body.pinned:
@@ -68,11 +68,11 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request):
 async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request):
     state = get_state(request)
     if not state.config.allow_runtime_lora_updating:
-        return openai_error(404, OFF, "not_found_error", code="runtime_lora_updating_off")
+        return _off()
     try:
         adapter = state.adapters.unregister(body.lora_name)
     except AdapterNotFound as exc:
-        return _refused(state, "unload", 404, str(exc), "not_found_error", "adapter_not_found")
+        return _refused(state, "unload", 404, str(exc), "lora_name", "adapter_not_found")
     state.engine.retire_adapter(adapter.key)  # its slot is freed once the requests running on it end
     state.metrics.on_adapter_admin("unload", "unloaded")
     log.info("adapter %r unloaded", body.lora_name)
@@ -80,7 +80,14 @@ async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request):
                          "loaded_adapters": sorted(state.adapters.named.all())})
 
 
-def _refused(state: ServerState, action: str, status: int, message: str, kind: str, code: str) -> JSONResponse:
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error", 503: "server_error"}
+
+
+def _off() -> JSONResponse:
+    return openai_error(404, OFF, "not_found_error", code="runtime_lora_updating_off")
+
+
+def _refused(state: ServerState, action: str, status: int, message: str, param: str, code: str) -> JSONResponse:
     state.metrics.on_adapter_admin(action, "refused")
     log.info("adapter %s refused: %s", action, message)
-    return openai_error(status, message, kind, "lora_name" if status in (404, 409) else "lora_path", code)
+    return openai_error(status, message, _ERROR_TYPES[status], param, code)

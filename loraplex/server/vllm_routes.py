@@ -6,16 +6,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from loraplex import __version__
-from loraplex.protocol.base import RequestModel
+from loraplex.protocol.vllm import DetokenizeRequest
 from loraplex.server.errors import BadRequest, ModelNotFound, documented_errors
 from loraplex.server.state import get_state
 
 router = APIRouter()
-
-
-class DetokenizeRequest(RequestModel):
-    model: str | None = None  # a served name or adapter (vLLM checks it); the text is the base tokenizer's
-    tokens: list[int]
 
 
 @router.get("/version", summary="The server's version (vLLM's route)")

@@ -322,8 +322,7 @@ class AdapterStore:
             self.named.check_free(name)  # before the read: a taken name costs nothing
         adapter = self._read_path(path, name, trusted)
         # Keyed by its weights: a replacement takes a new device slot, while running requests keep the old one.
-        adapter = replace(adapter, entry_key=f"{name}@{adapter.fingerprint.hex()[:16]}")
-        adapter.fingerprint  # the copy's, hashed here too (the engine thread reads it)
+        adapter = adapter.keyed(f"{name}@{adapter.fingerprint.hex()[:16]}")  # its fingerprint carried over
         old = self.named.put(name, Named(adapter, path, pinned, base_model_name), inplace)
         return adapter, (old.adapter if old is not None else None)
 
