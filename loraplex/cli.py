@@ -193,14 +193,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from loraplex.engine.async_engine import AsyncEngine
-    from loraplex.server.app import create_app
-    from loraplex.server.heap import freeze_start_up_heap
-
     from loraplex.server.logs import configure_logging
-    from loraplex.server.shutdown import DrainingServer
 
     configure_logging(args.json_output)
     if args.otlp_endpoint:
@@ -215,6 +208,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = _bound_socket(args.hostname, args.port)
     # --json-output: every line on stderr is a JSON object, so progress goes through the logger, without bars.
     engine = _load_engine(args, show_progress=not args.json_output, log=logger.info if args.json_output else None)
+    return serve_engine(engine, args, sock)
+
+
+def serve_engine(engine, args: argparse.Namespace, sock: socket.socket) -> int:
+    """Serve `engine` (loaded, warmed up) over HTTP on `sock` (bound, not listening) with the server flags of `args`,
+    until drained. Benchmarks serve engines of their own through it (benchmarks/cold_adapters.py)."""
+    import uvicorn
+
+    from loraplex.engine.async_engine import AsyncEngine
+    from loraplex.server.app import create_app
+    from loraplex.server.heap import freeze_start_up_heap
+    from loraplex.server.shutdown import DrainingServer
+
+    logger = logging.getLogger("loraplex")
     server_config = from_namespace(ServerConfig, args, media=_media_config(args))
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, server_config)

@@ -167,6 +167,9 @@ class ServerConfig:
         (), nargs="+", help="adapters (of --adapter-source) loaded at start and listed by /v1/models")
     max_cpu_adapters: int = setting(64, type=int,
                                     help="loaded adapters kept in host memory besides the preloaded ones (LRU)")
+    adapter_load_threads: int = setting(
+        4, type=_positive,
+        help="adapters read, checked and laid out at once, beside the engine (in arrival order; the others queue)")
     # Adapters served under names the operator chose (lora/sources/named.py), at start-up or at run time.
     lora_modules: tuple[str, ...] = setting(
         (), nargs="+",

@@ -41,6 +41,7 @@ from loraplex.engine.stats import AdapterTargets, EngineStats, engine_stats
 from loraplex.engine.sampling.verification import SampledToken
 from loraplex.engine.warm_up import WarmUpReport, warm_up
 from loraplex.lora.adapter import LoraAdapter
+from loraplex.lora.layout import FlatFormat
 from loraplex.lora.device.table import AdapterTable
 from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.params import FinishReason, GrammarSpec, SamplingParams
@@ -184,6 +185,7 @@ class Engine:
         return AdapterTargets(
             self.lora.base_shapes, self.config.max_lora_rank, base_weight=lambda m: layers[m].weight,
             checkpoint_name=getattr(self.runner.model, "checkpoint_name", None),
+            flat_format=FlatFormat(self.dtype, pinned=self.device.type == "cuda"),
         )
 
     def compile_grammar(self, spec: GrammarSpec) -> None:

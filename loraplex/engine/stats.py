@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.lora.layout import FlatFormat
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -56,3 +58,4 @@ class AdapterTargets:
     max_rank: int
     base_weight: Callable[[str], torch.Tensor]  # a module's base weight (merges and checks read it)
     checkpoint_name: object | None  # the model's layout mapping, for adapters of another layout (lora/sources/store.py)
+    flat_format: FlatFormat = FlatFormat()  # how loaded adapters are kept in host memory for this engine's installs

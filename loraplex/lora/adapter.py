@@ -32,7 +32,7 @@ from loraplex.checkpoints.json_files import JsonFileError, read_json_object
 from loraplex.lora.errors import AdapterError, AdapterInvalid, AdapterNotFound
 import loraplex.lora.config_fields as fields
 from loraplex.lora.step.expert_slices import STACKED_PARAMETERS, is_stacked_experts, stacked_parameter_loras
-from loraplex.lora.layout import Layout
+from loraplex.lora.layout import FlatFormat, Layout
 from loraplex.lora.packed import PackedModules
 from loraplex.lora.weights import LoraWeights
 from loraplex.lora.patterns import MatchBudget, UserPattern
@@ -266,13 +266,15 @@ class LoraAdapter:
                 copy.__dict__[cached] = self.__dict__[cached]
         return copy
 
-    def packed(self) -> "LoraAdapter":
-        """This adapter with its weights copied into one buffer (`flat`; the modules' dtype and device)."""
+    def packed(self, form: FlatFormat | None = None) -> "LoraAdapter":
+        """This adapter with its weights copied into one buffer (`flat`), in `form` (lora/layout.py) for an adapter in
+        host memory; else in the modules' dtype and on their device."""
         if not self.modules:
             return self
         layout = Layout.of(self.modules)
         first = next(iter(self.modules.values()))
-        flat = torch.zeros(layout.length, dtype=first.a.dtype, device=first.a.device)  # zeros: no stray bytes in the gaps
+        form = form if form is not None and first.a.is_cpu else FlatFormat(first.a.dtype)
+        flat = torch.zeros(layout.length, dtype=form.dtype, device=first.a.device, pin_memory=form.pinned)  # no stray bytes
         for name, (a, b) in layout.views(flat).items():
             w = self.modules[name]
             a.copy_(w.a)
@@ -290,9 +292,10 @@ class LoraAdapter:
 
     @functools.cached_property
     def fingerprint(self) -> bytes:
-        """A digest of what the adapter computes (its weights and scales), not of its name: the prefix cache keys
-        blocks by it, so an adapter re-uploaded under the same id never reads the KV its old weights made."""
-        digest = hashlib.blake2b(digest_size=16)
+        """A digest of what the adapter computes (its weights and scales), not of its name, packed or not: the prefix
+        cache keys blocks by it, so an adapter re-uploaded under the same id never reads the KV its old weights made.
+        (SHA-256: with the CPU's SHA instructions the fastest of hashlib's, and it is much of a cold adapter's load.)"""
+        digest = hashlib.sha256()
         for name in sorted(self.modules):
             w = self.modules[name]
             digest.update(name.encode())
@@ -300,7 +303,7 @@ class LoraAdapter:
             for t in (w.a, w.b):
                 digest.update(str(tuple(t.shape)).encode())
                 digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-        return digest.digest()
+        return digest.digest()[:16]
 
 
 # Shapes of the base model's LoRA-capable linears: module name -> (in_features, out_features).
@@ -419,8 +422,10 @@ def check_layout(
 def adapter_from_tensors(
     adapter_id: str, config: LoraConfig, tensors: Mapping[str, torch.Tensor], base: BaseShapes,
     base_weight: BaseWeight | None = None, checkpoint_name: CheckpointName | None = None,
+    form: FlatFormat | None = None,
 ) -> LoraAdapter:
-    """Check PEFT-named tensors against the config and the base model; build the adapter (float32, CPU).
+    """Check PEFT-named tensors against the config and the base model; build the adapter (CPU; checked in float32,
+    kept in `form`: float32 by default).
 
     `checkpoint_name` (families whose checkpoints come in several layouts, e.g. LLaVA-NeXT saved by
     transformers 4) maps a base-model tensor name to the model's own: an adapter trained on the other
@@ -436,7 +441,7 @@ def adapter_from_tensors(
                               config.scale(saved))
         check_weights(_PREFIX + module, weights)
         modules[module] = weights
-    return LoraAdapter(adapter_id, modules, config).packed()
+    return LoraAdapter(adapter_id, modules, config).packed(form)
 
 
 def _check_base_copy(key: str, module: str, tensor: torch.Tensor, base_weight: BaseWeight | None) -> None:
@@ -449,7 +454,7 @@ def _check_base_copy(key: str, module: str, tensor: torch.Tensor, base_weight: B
 
 def load_adapter_dir(
     path: pathlib.Path, adapter_id: str, base: BaseShapes, max_rank: int, base_weight: BaseWeight | None = None,
-    checkpoint_name: CheckpointName | None = None,
+    checkpoint_name: CheckpointName | None = None, form: FlatFormat | None = None,
 ) -> LoraAdapter:
     """Read a PEFT adapter directory (safetensors only: pickles are refused, never opened).
 
@@ -487,6 +492,6 @@ def load_adapter_dir(
         except (SafetensorError, ValueError) as exc:
             reason = str(exc).replace(str(weights_path), ADAPTER_WEIGHTS)  # should safetensors ever name it
             raise AdapterInvalid(f"{ADAPTER_WEIGHTS} is not a valid safetensors file ({reason})") from exc
-        return adapter_from_tensors(adapter_id, config, tensors, base, base_weight, checkpoint_name)
+        return adapter_from_tensors(adapter_id, config, tensors, base, base_weight, checkpoint_name, form)
     except AdapterInvalid as exc:
         raise AdapterInvalid(f"adapter {adapter_id!r}: {exc}") from None

@@ -18,6 +18,16 @@ import torch
 ALIGN = 64  # elements: 128 bytes in bfloat16, 256 in float32
 
 
+@dataclass(frozen=True)
+class FlatFormat:
+    """How loaded adapters keep their flat buffer in host memory. For a GPU engine, the slots' dtype in pinned memory:
+    the conversion is then done where the adapter loads (off the engine's thread) and its install is one copy, from
+    that buffer straight to the device. The default (float32, pageable) keeps the weights as PEFT computes them."""
+
+    dtype: torch.dtype = torch.float32
+    pinned: bool = False
+
+
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 

@@ -85,6 +85,7 @@ def adapter_store(targets: AdapterTargets, config: ServerConfig) -> AdapterStore
         targets.base_shapes, targets.max_rank, config.adapter_roots, config.adapter_source,
         config.max_cpu_adapters, base_weight=targets.base_weight,
         checkpoint_name=targets.checkpoint_name, access_ttl_s=config.adapter_access_ttl_s,
+        loader_threads=config.adapter_load_threads, flat_format=targets.flat_format,
     )
     store.preload(config.preloaded_adapter_ids)
     for entry in config.lora_modules:  # the operator's: any local directory, held for as long as the server runs

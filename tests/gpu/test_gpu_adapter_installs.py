@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from loraplex.lora.adapter import LoraAdapter, LoraConfig, LoraWeights
+from loraplex.lora.layout import FlatFormat
 from loraplex.lora.step.kernels import add_lora_rows_reference
 from loraplex.lora.device.table import AdapterTable
 
@@ -78,3 +79,28 @@ def test_the_next_step_waits_for_a_slow_copy():
         slots.install(slot, a)
     assert not copying.query(), "an install made the host wait for its copy"
     assert_rows_read(slots, replacements)
+
+
+def test_an_adapter_the_store_laid_out_pinned_is_copied_from_its_own_buffer_before_the_step_reads_it():
+    """The store lays adapters out for a GPU engine in the slots' dtype, in pinned memory (lora/layout.py
+    FlatFormat): the install copies that very buffer on the side stream, nothing on the host, and the next step
+    reads exactly what a synchronous upload of the same adapter gives, however long the copy takes."""
+    form = FlatFormat(torch.bfloat16, pinned=True)
+    host = [adapter(30 + 2 * k).packed(form) for k in range(3)]  # as the store's loads pack them (even seeds: packed)
+    assert all(a.flat.is_pinned() and a.flat.dtype == torch.bfloat16 for a in host)
+    model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256)).to(DEVICE)
+    slots = AdapterTable(model, num_slots=3, device=DEVICE, dtype=torch.bfloat16, max_rank=16)
+    staged = []
+    stage = slots._uploader.stage
+    slots._uploader.stage = lambda modules, flat, layout: staged.append(stage(modules, flat, layout)) or staged[-1]
+    copying = busy(slots._uploader.stream)
+    for slot, a in enumerate(host):
+        slots.install(slot, a)
+    assert not copying.query(), "an install made the host wait for its copy"
+    assert [s.data_ptr() for s in staged] == [a.flat.data_ptr() for a in host], "the install copied on the host"
+    torch.cuda.synchronize()
+    for slot, a in enumerate(host):
+        for name in ("0", "1"):
+            synchronous = a.modules[name].to(DEVICE, torch.bfloat16)
+            assert torch.equal(slots.columns[name][slot].a, synchronous.a)
+            assert torch.equal(slots.columns[name][slot].b, synchronous.b)

@@ -41,7 +41,7 @@ class StagedUploads:
         wanted: dict[str, LoraAdapter] = {}
         left = self.budget_bytes
         for adapter in adapters:
-            if adapter.key in wanted or not _stageable(adapter):
+            if adapter.key in wanted or not _stageable(adapter, self.uploader):
                 continue
             size = adapter.layout.length * self.uploader.dtype.itemsize
             if wanted and size > left:
@@ -72,7 +72,8 @@ class StagedUploads:
         return list(self._staged)
 
 
-def _stageable(adapter: LoraAdapter) -> bool:
+def _stageable(adapter: LoraAdapter, uploader: AdapterUploader) -> bool:
     """Only adapters laid out in one host buffer (as the store loads them): a hand-built adapter's tensors may live
-    on the device, where another thread's copy would run on another stream."""
-    return adapter.flat is not None and adapter.flat.is_cpu
+    on the device, where another thread's copy would run on another stream. Nor those whose buffer the device copy
+    takes as it is (the store laid them out in the slots' dtype, pinned): there is nothing to do ahead."""
+    return adapter.flat is not None and adapter.flat.is_cpu and not uploader.takes_as_is(adapter.flat)

@@ -64,8 +64,11 @@ class AdapterUploader:
 
     def stage(self, modules: Mapping[str, LoraWeights], flat: torch.Tensor | None, layout: Layout) -> torch.Tensor:
         """The host half of an upload: the weights laid out in the slots' dtype, in a fresh buffer (pinned host
-        memory on CUDA; on the device already when the weights are, or on the CPU). Thread-safe: `StagedUploads`
+        memory on CUDA; on the device already when the weights are, or on the CPU), or the adapter's own buffer when
+        it is laid out so already (`takes_as_is`). Thread-safe: `StagedUploads`
         runs it ahead of the install, on its own thread."""
+        if flat is not None and self.takes_as_is(flat):
+            return flat
         source = [flat] if flat is not None else [t for w in modules.values() for t in (w.a, w.b)]
         # Weights already on a GPU (a benchmark's, built there) are laid out there: no round trip through the host.
         staged = self._staged and any(t.is_cpu for t in source)
@@ -80,6 +83,15 @@ class AdapterUploader:
                 a.copy_(modules[name].a)
                 b.copy_(modules[name].b)
         return target
+
+    def takes_as_is(self, flat: torch.Tensor) -> bool:
+        """Whether an adapter's flat buffer is already what the copy to the device reads: in the slots' dtype, in host
+        memory, pinned where the copies are asynchronous (the store lays adapters out so for a GPU engine:
+        lora/layout.py FlatFormat). Staging it then copies nothing. (On the CPU the slots always get a copy of their
+        own.)"""
+        if not self._staged or flat.dtype != self.dtype or not flat.is_cpu:
+            return False
+        return not self._pinned or flat.is_pinned()
 
     def _to_device(self, staging: torch.Tensor) -> torch.Tensor:
         """`staging` copied to a fresh device buffer; on CUDA, on the side stream (see the module's notes)."""

@@ -61,6 +61,7 @@ from loraplex.lora.adapter import (
 )
 from loraplex.lora.sources.hub_source import PUBLIC, HubSource, HuggingFaceHub, Snapshot, token_scope
 from loraplex.lora.sources.named import Named, NamedAdapters, check_name, source_of_path
+from loraplex.lora.layout import FlatFormat
 from loraplex.lora.merge import MAJORITY_SIGN_METHODS, MERGE_STRATEGIES, merge_adapters
 from loraplex.lora.sources.local_source import LocalSource
 from loraplex.lora.sources.s3_source import S3Source
@@ -104,6 +105,7 @@ class AdapterStore:
         hub: HubSource | None = None,
         access_ttl_s: float = ACCESS_TTL_S,
         sources: dict[str, AdapterSource] | None = None,
+        flat_format: FlatFormat | None = None,
     ) -> None:
         # The sources of files (lora/sources/source.py, the extension point); the hub ("hub") is served beside them.
         self.local = LocalSource(roots)
@@ -126,7 +128,11 @@ class AdapterStore:
         self._refused: dict[str, tuple[float, AdapterInvalid]] = {}  # key -> (until, the refusal)
         self.refusal_ttl_s, self._clock = refusal_ttl_s, clock
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(loader_threads, thread_name_prefix="loraplex-adapters")
+        # Loads run beside the engine, in arrival order, `loader_threads` at a time, each thread at a lower CPU
+        # priority than the engine's and the server's: a burst of cold adapters slows itself, not the running requests.
+        self._pool = ThreadPoolExecutor(loader_threads, thread_name_prefix="loraplex-adapters",
+                                        initializer=lower_thread_priority)
+        self.flat_format = flat_format  # how loaded adapters are kept: in the slots' dtype, pinned, on a GPU engine
         self.named = NamedAdapters()  # adapters served under an operator's name (lora/sources/named.py)
 
     # ---- names -------------------------------------------------------------------------------------
@@ -307,7 +313,8 @@ class AdapterStore:
             return self._load_dir(path, name)
 
     def _load_dir(self, path: pathlib.Path, name: str) -> LoraAdapter:
-        return load_adapter_dir(path, name, self.base_shapes, self.max_rank, self.base_weight, self.checkpoint_name)
+        return load_adapter_dir(path, name, self.base_shapes, self.max_rank, self.base_weight, self.checkpoint_name,
+                                self.flat_format)
 
     # ---- named adapters -------------------------------------------------------------------------------
 
@@ -350,6 +357,18 @@ class AdapterStore:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+LOADER_NICENESS = 10  # how much lower than the process's the loader threads' CPU priority is (Linux's nice, per thread)
+
+
+def lower_thread_priority() -> None:
+    """Lower the calling thread's CPU priority (Linux schedules threads by their own nice value; elsewhere nothing)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + LOADER_NICENESS))
+    except (AttributeError, OSError):  # no setpriority (Windows), or not allowed: loads still run
+        pass
 
 
 def _check_repo_id(repo_id: str) -> None:
