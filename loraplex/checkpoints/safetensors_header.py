@@ -93,6 +93,34 @@ def read_owned(path: str | os.PathLike, header: dict[str, TensorHeader],
     return data
 
 
+def owned_tensors(data: bytes, header: dict[str, TensorHeader]) -> dict:
+    """The tensors of a file read by `read_owned`, as views of its bytes (nothing copied: a cold adapter's tensors
+    are read without holding the interpreter for a copy of the file, as safetensors' own `load` does). Read-only:
+    the bytes are immutable (copy a tensor before writing to it)."""
+    import warnings
+
+    import torch
+
+    torch_dtypes = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
+                    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2": torch.float8_e5m2,
+                    "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "I16": torch.int16, "U16": torch.uint16,
+                    "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
+                    "F32": torch.float32, "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64,
+                    "C64": torch.complex64}
+    start = 8 + int.from_bytes(data[:8], "little")
+    tensors = {}
+    with warnings.catch_warnings():  # "the given buffer is not writable": the views are only read
+        warnings.simplefilter("ignore", UserWarning)
+        for name, t in header.items():
+            dtype = torch_dtypes[t.dtype]
+            if t.end == t.begin:
+                tensors[name] = torch.empty(t.shape, dtype=dtype)
+            else:
+                count = (t.end - t.begin) // dtype.itemsize
+                tensors[name] = torch.frombuffer(data, dtype=dtype, count=count, offset=start + t.begin).view(t.shape)
+    return tensors
+
+
 def check_header(raw: bytes, data_bytes: int) -> dict[str, TensorHeader]:
     """Check header JSON `raw` against a data section of `data_bytes` bytes (see `read_header`)."""
     header = _parse(raw)

@@ -36,7 +36,7 @@ from loraplex.lora.layout import FlatFormat, Layout
 from loraplex.lora.packed import PackedModules
 from loraplex.lora.weights import LoraWeights
 from loraplex.lora.patterns import MatchBudget, UserPattern
-from loraplex.checkpoints.safetensors_header import SafetensorsHeaderError, read_header, read_owned
+from loraplex.checkpoints.safetensors_header import SafetensorsHeaderError, owned_tensors, read_header, read_owned
 
 __all__ = ["AdapterError", "AdapterInvalid", "AdapterNotFound", "LoraAdapter", "LoraConfig", "LoraWeights"]
 
@@ -461,7 +461,6 @@ def load_adapter_dir(
     Errors name the adapter by `adapter_id` and its files by their names in it, never by `path` (a client
     reads them; where the server keeps adapters is none of its business)."""
     from safetensors import SafetensorError
-    from safetensors.torch import load
 
     config_path, weights_path = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
     if not config_path.is_file():
@@ -484,7 +483,7 @@ def load_adapter_dir(
             header = read_header(weights_path, MAX_HEADER_BYTES)
             check_layout(config, {k: (t.shape, t.dtype, t.floating) for k, t in header.items()}, base, checkpoint_name)
             # Copied into memory of our own, never mapped: a file replaced under a load fails that load, not us.
-            tensors = load(read_owned(weights_path, header, MAX_HEADER_BYTES))
+            tensors = owned_tensors(read_owned(weights_path, header, MAX_HEADER_BYTES), header)
         except OSError as exc:  # its strerror only: the exception's text holds the path
             raise AdapterInvalid(f"{ADAPTER_WEIGHTS} cannot be read ({exc.strerror})") from exc
         except SafetensorsHeaderError as exc:  # names no path

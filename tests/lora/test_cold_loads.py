@@ -102,8 +102,8 @@ def test_the_store_lays_adapters_out_in_the_engines_flat_format(tmp_path):
 
 
 def test_an_adapter_in_the_slots_format_is_staged_without_a_copy(tmp_path):
-    """For a device the copies go to, a flat buffer already in the slots' dtype (pinned where copies are
-    asynchronous: the GPU suite checks that case) is what the copy reads: no staging copy, nothing staged ahead."""
+    """A flat buffer already in the slots' dtype (pinned where copies to the device are asynchronous: the GPU suite
+    checks that case) is what the slot reads or the copy to the device reads: no staging copy, nothing staged ahead."""
     write_adapter(tmp_path / "a", seed=1)
     store = AdapterStore(BASE, MAX_RANK, roots=[tmp_path], default_source="local",
                          flat_format=FlatFormat(torch.bfloat16))
@@ -117,9 +117,10 @@ def test_an_adapter_in_the_slots_format_is_staged_without_a_copy(tmp_path):
     staged = StagedUploads(uploader)
     staged.want([adapter])
     assert staged.staged_keys == []
-    # In another dtype it is staged as before; and the CPU's slots always get their own copy.
+    # In another dtype it is staged as before; a CPU slot in the same dtype reads the adapter's buffer itself.
     assert not AdapterUploader(torch.device("meta"), torch.float16).takes_as_is(adapter.flat)
-    assert not AdapterUploader(torch.device("cpu"), torch.bfloat16).takes_as_is(adapter.flat)
+    on_cpu = AdapterUploader(torch.device("cpu"), torch.bfloat16)
+    assert on_cpu.upload(adapter.modules, adapter.flat, adapter.layout).buffer is adapter.flat
 
 
 def test_the_server_store_takes_the_load_threads_and_the_engines_format():

@@ -11,6 +11,7 @@ import safetensors.torch
 import torch
 from safetensors.torch import save_file
 
+import loraplex.lora.adapter as adapter_module
 from loraplex.lora.adapter import ADAPTER_WEIGHTS, load_adapter_dir
 from tests.hostile_safetensors import LIE_PARAMS, nothing_read
 from tests.lora.test_store import BASE, MAX_RANK, P, lora_tensors, make_store, refused, write_adapter
@@ -27,8 +28,8 @@ def store(tmp_path):
 
 
 def test_an_honest_adapter_is_read_through_the_guarded_function(store, tmp_path, monkeypatch):
-    calls, real = [], safetensors.torch.load
-    monkeypatch.setattr(safetensors.torch, "load", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    calls, real = [], adapter_module.owned_tensors
+    monkeypatch.setattr(adapter_module, "owned_tensors", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     write_adapter(tmp_path / "root" / "a")
     assert store.load("a").max_rank == 4 and len(calls) == 1  # so the guard below guards the real read
 
@@ -37,7 +38,7 @@ def test_an_honest_adapter_is_read_through_the_guarded_function(store, tmp_path,
 def test_a_lying_header_is_refused_before_any_read(store, tmp_path, monkeypatch, data, words):
     path = write_adapter(tmp_path / "root" / "a")
     (path / ADAPTER_WEIGHTS).write_bytes(data)
-    with nothing_read(monkeypatch, safetensors.torch, "load"):
+    with nothing_read(monkeypatch, adapter_module, "owned_tensors"):
         message = refused(store, "a")
     assert words in message
     assert f"adapter 'a': {ADAPTER_WEIGHTS} is not a valid safetensors file" in message
@@ -55,7 +56,7 @@ def test_a_lying_header_is_refused_before_any_read(store, tmp_path, monkeypatch,
 def test_tensors_that_do_not_fit_are_refused_before_the_data_is_read(store, tmp_path, monkeypatch, name, shape, words):
     tensors = {**lora_tensors(), name: torch.zeros(shape)}
     write_adapter(tmp_path / "root" / "a", tensors=tensors)
-    with nothing_read(monkeypatch, safetensors.torch, "load"):
+    with nothing_read(monkeypatch, adapter_module, "owned_tensors"):
         message = refused(store, "a")
     assert name in message and words in message
 
@@ -63,7 +64,7 @@ def test_tensors_that_do_not_fit_are_refused_before_the_data_is_read(store, tmp_
 def test_integer_lora_factors_are_refused_from_the_header(store, tmp_path, monkeypatch):
     tensors = {**lora_tensors(), f"{Q0}.lora_A.weight": torch.zeros(4, 16, dtype=torch.int32)}
     write_adapter(tmp_path / "root" / "a", tensors=tensors)
-    with nothing_read(monkeypatch, safetensors.torch, "load"):
+    with nothing_read(monkeypatch, adapter_module, "owned_tensors"):
         assert "has dtype I32; expected floats" in refused(store, "a")
 
 

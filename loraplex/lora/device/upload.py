@@ -85,11 +85,11 @@ class AdapterUploader:
         return target
 
     def takes_as_is(self, flat: torch.Tensor) -> bool:
-        """Whether an adapter's flat buffer is already what the copy to the device reads: in the slots' dtype, in host
-        memory, pinned where the copies are asynchronous (the store lays adapters out so for a GPU engine:
-        lora/layout.py FlatFormat). Staging it then copies nothing. (On the CPU the slots always get a copy of their
-        own.)"""
-        if not self._staged or flat.dtype != self.dtype or not flat.is_cpu:
+        """Whether an adapter's flat buffer is already what its slot needs: in the slots' dtype, in host memory,
+        pinned where copies to the device are asynchronous (the store lays adapters out so: lora/layout.py
+        FlatFormat). Staging it then copies nothing: a GPU's copy reads it, and a CPU slot reads the adapter's own
+        buffer (nothing writes to either: the slots' weights are read-only, and an adapter's are its own)."""
+        if flat.dtype != self.dtype or not flat.is_cpu:
             return False
         return not self._pinned or flat.is_pinned()
 
