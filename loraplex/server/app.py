@@ -55,13 +55,16 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     if config.generation_config == "auto":
         state.sampling_defaults = generation_config_defaults(model.sampling_defaults)
     app.state.loraplex = state
+    # Each added layer wraps those added before it: RequestLog > CORS > ApiKeys > CancelOnDisconnect > routes.
+    # The body is read (capped, timed) inside the keys: a request without a valid key is answered 401 before a byte
+    # of its body is read.
+    app.add_middleware(CancelOnDisconnect, timeout_s=config.request_timeout_s, max_body_bytes=config.max_request_bytes)
     if config.api_keys:
         app.add_middleware(ApiKeys, keys=config.api_keys)
     if state.config.cors_allow_origin:  # outside the keys: it answers preflights and marks their 401s
         app.add_middleware(
             CORSMiddleware, allow_origins=list(state.config.cors_allow_origin), allow_methods=["*"], allow_headers=["*"]
         )
-    app.add_middleware(CancelOnDisconnect, timeout_s=config.request_timeout_s, max_body_bytes=config.max_request_bytes)
     app.add_middleware(RequestLog)  # added last: outermost, so its line has the status CORS answered too
     install_error_handlers(app)
     app.include_router(native.router)

@@ -3,6 +3,8 @@
 HEAD, stay open for load balancers' and orchestrators' probes, and so does every OPTIONS request: a browser's CORS
 preflight never carries credentials (with `--cors-allow-origin` the CORS layer, outside this one, answers it and
 puts its headers on a 401 too). Keys are compared in constant time; a refusal says nothing about which keys exist.
+The key is checked on the headers alone, outside the layer that reads bodies (server/disconnects.py): a request
+without one is answered 401 before a byte of its body is read (the server discards whatever of it still comes).
 """
 
 from __future__ import annotations

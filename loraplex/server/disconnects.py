@@ -12,7 +12,10 @@ API's shape (then OpenAI's `[DONE]`). At a shutdown's deadline (`ServerState.shu
 down". Each is logged with its outcome (client_gone, timed_out, shutdown) and counted as a failure of that kind.
 
 Since it reads every body, it also caps their size (`--max-request-bytes`): a larger body is answered 413 before
-the app sees a byte of it (by its Content-Length at once, or as soon as the bytes read pass the cap).
+the app sees a byte of it (by its Content-Length at once, or as soon as the bytes read pass the cap). And it cuts
+slow senders: a body whose next part does not arrive within BODY_READ_TIMEOUT_S (a client that declares 1,000
+bytes and sends 10) is answered 408, and its connection closed. With `--api-key` this layer sits inside ApiKeys
+(server/app.py): a request without a valid key is answered 401 before a byte of its body is read.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from loraplex.server import request_log
 from loraplex.server.errors import error_for_path
 
 CLIENT_CLOSED = 499  # the log line's status when the client left before any response (nginx's convention)
+# The longest wait for the next part of a request's body (its first part included), as nginx's client_body_timeout:
+# a client that stops sending is answered 408 and its connection closed; one that keeps sending, however slowly
+# its whole body arrives, is never cut by it (the body is still capped by --max-request-bytes).
+BODY_READ_TIMEOUT_S = 10.0
 
 
 class CancelOnDisconnect:
@@ -41,8 +48,14 @@ class CancelOnDisconnect:
         body: list[dict] = []
         size = 0
         while True:  # the whole body first: afterwards the only message left is the disconnect
-            message = await receive()
-            if message["type"] == "http.disconnect":
+            try:
+                async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+                    message = await receive()
+            except TimeoutError:
+                return await _too_slow(scope, receive, send)
+            if message["type"] == "http.disconnect":  # gone before its body was whole: nothing ran
+                if (record := request_log.current()) is not None:
+                    record.outcome, record.status = "client_gone", CLIENT_CLOSED
                 return
             body.append(message)
             size += len(message.get("body", b""))
@@ -113,6 +126,15 @@ class CancelOnDisconnect:
                 shutdown.cancel()
             if not app.done():
                 app.cancel()
+
+
+async def _too_slow(scope, receive, send) -> None:
+    """408 for a body that stopped arriving, in the route's API shape; the connection is closed after it (the rest
+    of the body, should it come, is not waited for)."""
+    message = f"the request body stopped arriving: nothing came for {BODY_READ_TIMEOUT_S:g} s"
+    response = error_for_path(scope["path"], 408, message, "body_timeout")
+    response.headers["connection"] = "close"
+    await response(scope, receive, send)
 
 
 def error_event(path: str, message: str, kind: str) -> bytes:

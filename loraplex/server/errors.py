@@ -5,6 +5,11 @@ Native (LoRAX/TGI) routes: `{"error": "...", "error_type": "..."}` with 404 (ada
 routes (`/v1/...`): `{"error": {"message", "type", "param", "code"}}` with 400 (bad field, invalid
 adapter), 404 (unknown model or adapter), 429 (overloaded), 500 (generation failed).
 Every 429 carries `Retry-After` (whole seconds, >= 1; server/admission.py estimates it).
+Before any route, in either shape: 401 (`--api-key`, server/auth.py), 404 / 405 (unknown path or method), 408
+(a body that stopped arriving) and 413 (a body over `--max-request-bytes`, server/disconnects.py), 504 / 503 (past
+`--request-timeout-s`, or a shutdown's deadline). Their OpenAI `type` is OpenAI's for the status (openai_error_type):
+server_error for 5xx (the 504 included), invalid_request_error for 4xx, authentication_error for a 401. Every
+refusal and failure is counted in `lorax_request_failure` (server/metrics.py says under which `err`).
 Any other exception is a 500 in the route's shape naming the request id (the traceback goes to the log only).
 """
 
@@ -91,13 +96,20 @@ def is_openai(request: Request) -> bool:
     return request.url.path.startswith("/v1/")
 
 
-def error_for_path(path: str, status: int, message: str, kind: str, openai_type: str = "invalid_request_error",
+def error_for_path(path: str, status: int, message: str, kind: str, openai_type: str | None = None,
                    code: str | None = None) -> JSONResponse:
     """An error in the shape of the API `path` belongs to: LoRAX's (`error_type` = kind), or under /v1/ OpenAI's
-    (`type` = openai_type, `code` = code or kind). For the handlers and middleware that have no route's models."""
+    (`type` = openai_type, else OpenAI's for the status; `code` = code or kind). For the handlers and middleware
+    that have no route's models."""
     if path.startswith("/v1/"):
-        return openai_error(status, message, openai_type, code=code or kind)
+        return openai_error(status, message, openai_type or openai_error_type(status), code=code or kind)
     return native_error(status, message, kind)
+
+
+def openai_error_type(status: int) -> str:
+    """OpenAI's error `type` for a status: the server's fault (5xx, a 504 timeout included) is a server_error,
+    the request's (4xx) an invalid_request_error (a 401 names its own: authentication_error, server/auth.py)."""
+    return "server_error" if status >= 500 else "invalid_request_error"
 
 
 def _utf8(text: str | None) -> str | None:

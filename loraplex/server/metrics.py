@@ -40,6 +40,14 @@ FINISHED_REASONS = {FinishReason.EOS_TOKEN: "stop", FinishReason.STOP_SEQUENCE: 
 BASE_ADAPTER = "base"  # the `adapter` label of requests served by the base model
 MAX_ADAPTER_LABELS = 100  # distinct `adapter` label values; later adapters are counted as "other"
 OTHER_ADAPTERS = "other"
+# lorax_request_failure's `err` label (LoRAX's label name; its values, as LoRAX's, lower_snake_case kinds:
+# validation, overloaded, generation...) is named where the reason is known (Metrics.on_failure). A request
+# refused or failed before any of those places (server/request_log.py counts it as it ends) is labelled by its
+# status, with the kind its error body names.
+STATUS_REASONS = {400: "validation", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                  405: "method_not_allowed", 408: "body_timeout", 409: "conflict", 413: "payload_too_large",
+                  415: "unsupported_media_type", 422: "validation", 429: "overloaded", 500: "internal",
+                  503: "unavailable", 504: "timed_out"}
 
 
 class Metrics:
@@ -125,6 +133,23 @@ class Metrics:
         self.adapter_admin.labels(action, result).inc()
 
     def on_failure(self, kind: str) -> None:
+        """A request refused or failed for the reason `kind` (the `err` label); the request's record notes it, so
+        that it is not counted again as it ends."""
+        self.request_failure.labels(kind).inc()
+        record = request_log.current()
+        if record is not None and record.counted_as is None:
+            record.counted_as = kind
+
+    def on_request_end(self, record: "request_log.RequestRecord") -> None:
+        """A request's end (RequestLog, its outcome settled): one that did not end ok and that nothing counted (a
+        refusal before any route: 401, 404, 405, 408, 413; a CORS layer's 400) is counted now, by its status."""
+        if record.outcome == "ok" or record.counted_as is not None:
+            return
+        if record.outcome in ("refused", "failed"):
+            kind = STATUS_REASONS.get(record.status) or ("refused" if 400 <= record.status < 500 else "internal")
+        else:  # client_gone, timed_out, shutdown
+            kind = record.outcome or "internal"
+        record.counted_as = kind
         self.request_failure.labels(kind).inc()
 
     def exposition(self) -> bytes:

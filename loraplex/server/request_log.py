@@ -1,8 +1,10 @@
 """One structured log line per HTTP request, on the logger `loraplex.requests`, written when the response ends.
 
 `RequestLog` is a plain ASGI middleware, outside FastAPI's error handlers: it sees every request, those
-refused before a route runs (validation errors, unknown paths) and those whose exception escapes (a 500)
-included. A streamed response is logged when its stream ends or the client cuts it, not when its headers
+refused before a route runs (validation errors, unknown paths, a missing API key, a body too large or too slow)
+and those whose exception escapes (a 500) included; each that did not end ok and that nothing counted yet is
+counted in `lorax_request_failure` as its line is written (Metrics.on_request_end), so the metric and the log
+lines agree. A streamed response is logged when its stream ends or the client cuts it, not when its headers
 go out. The request's `RequestRecord` is `request.state.log`, and `current()` anywhere in the request's
 task (and the tasks it starts): the routes name the adapter there, `Metrics` adds the engine's numbers.
 """
@@ -44,6 +46,9 @@ class RequestRecord:
     # How it ended, one of OUTCOMES; set where it is known (a timeout, the client leaving, the engine failing),
     # else from the status when the response ends. The log line, the trace span and the metrics say the same.
     outcome: str | None = None
+    # The `err` label it was counted under in lorax_request_failure (Metrics): a request that did not end ok is
+    # counted once, where its reason is known, else by RequestLog when it ends. Not a field of the log line.
+    counted_as: str | None = None
 
     def started_run(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens += num_prompt_tokens
@@ -75,7 +80,7 @@ class RequestRecord:
                             else "ok" if self.complete else "client_gone")
 
     def fields(self) -> dict:
-        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items() if k != "counted_as"}
 
 
 OUTCOMES = ("ok", "refused", "client_gone", "timed_out", "shutdown", "failed")
@@ -140,14 +145,21 @@ class RequestLog:
                 record.complete = record.error is None
             await send(message)
 
+        escaped = False
         try:
             await self.app(scope, receive, send_and_note)
+        except BaseException:
+            escaped = True  # its 500 is counted by its handler (errors.py: internal), outside this layer
+            raise
         finally:
             _current.reset(token)
             route = scope.get("route")  # set by the router: the template, not the path (no ids in routes)
             record.route = getattr(route, "path", record.route)
             record.total_seconds = time.perf_counter() - started
             record.settle()
+            state = getattr(getattr(scope.get("app"), "state", None), "loraplex", None)
+            if state is not None and not escaped:  # refused before any route (401, 404, 413...): counted here
+                state.metrics.on_request_end(record)
             fields = record.fields()
             log.log(logging.WARNING if record.failed else logging.INFO, key_values(fields), extra={"fields": fields})
             tracing.record_span(f"{record.method} {record.route}", record.span_attributes(), record.failed,
