@@ -12,7 +12,7 @@ import sys
 from loraplex.config import EngineConfig, ServerConfig
 from loraplex.multimodal.config import MediaConfig
 from loraplex.quantization import QUANTIZE_CHOICES, QuantizationError
-from loraplex.settings import _positive_float, _truthy, add_arguments, from_namespace
+from loraplex.settings import _positive, _positive_float, _truthy, add_arguments, from_namespace
 
 
 _ENV_NAMES: set[str] = set()  # the environment variables flags read (listed by --help)
@@ -76,10 +76,12 @@ def _add_media_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-private-media-addresses", action="store_true",
                    default=_env("ALLOW_PRIVATE_MEDIA_ADDRESSES", False, _truthy),
                    help="let listed host names resolve to loopback / private / link-local addresses")
-    p.add_argument("--max-images-per-request", type=int, default=_env("MAX_IMAGES_PER_REQUEST", d.max_images_per_request, int))
-    p.add_argument("--max-image-bytes", type=int, default=_env("MAX_IMAGE_BYTES", d.max_image_bytes, int))
-    p.add_argument("--max-image-pixels", type=int, default=_env("MAX_IMAGE_PIXELS", d.max_image_pixels, int))
-    p.add_argument("--media-fetch-timeout-s", type=float, default=_env("MEDIA_FETCH_TIMEOUT_S", d.fetch_timeout_s, float))
+    p.add_argument("--max-images-per-request", type=_positive,
+                   default=_env("MAX_IMAGES_PER_REQUEST", d.max_images_per_request, _positive))
+    p.add_argument("--max-image-bytes", type=_positive, default=_env("MAX_IMAGE_BYTES", d.max_image_bytes, _positive))
+    p.add_argument("--max-image-pixels", type=_positive, default=_env("MAX_IMAGE_PIXELS", d.max_image_pixels, _positive))
+    p.add_argument("--media-fetch-timeout-s", type=_positive_float,
+                   default=_env("MEDIA_FETCH_TIMEOUT_S", d.fetch_timeout_s, _positive_float))
 
 
 def _media_config(args: argparse.Namespace) -> MediaConfig:
@@ -98,15 +100,13 @@ def _load_engine(args: argparse.Namespace, show_progress: bool = False, log=None
     """The engine the flags describe; what a user got wrong (a model that does not exist or that we do not
     serve, a device this machine lacks, a refused flag) as a UsageError."""
     from loraplex.checkpoints.weights import WeightsError
-    from loraplex.engine.engine import Engine
+    from loraplex.engine.engine import Engine, LengthsError
     from loraplex.layers.kv_quant import KVCacheDtypeError
 
     if args.trust_remote_code:
         raise UsageError("--trust-remote-code is not supported: loraplex runs its own implementation of each model "
                          "family (Llama, Mistral, Qwen2, MPT, LLaVA-NeXT, Mllama, T5, BART), never a checkpoint's code")
-    if args.max_input_length >= args.max_total_tokens:  # TGI refuses it too: no room for a generated token
-        raise UsageError(f"--max-input-length ({args.max_input_length}) must be < --max-total-tokens "
-                         f"({args.max_total_tokens}): a prompt that long leaves no room for a generated token")
+    _check_lengths(args.max_input_length, args.max_total_tokens)
     _check_adapter_roots(args.adapter_root or ())
     device = args.device or ""
     if device.startswith("cuda"):
@@ -116,7 +116,7 @@ def _load_engine(args: argparse.Namespace, show_progress: bool = False, log=None
             raise UsageError(f"--device {device}: no CUDA device is available on this machine (try --device cpu)")
     try:
         engine = Engine.from_config(_engine_config(args), show_progress=show_progress, log=log)
-    except (WeightsError, QuantizationError, KVCacheDtypeError) as exc:
+    except (WeightsError, QuantizationError, KVCacheDtypeError, LengthsError) as exc:
         raise UsageError(str(exc)) from exc
     except ValueError as exc:  # the model's config names something we do not serve (models/registry.py config_from_hf)
         raise UsageError(f"cannot serve {args.model_id or 'the default model'}: {exc}") from exc
@@ -125,6 +125,14 @@ def _load_engine(args: argparse.Namespace, show_progress: bool = False, log=None
         (log or _to_stderr)(f"warmed up: {report.requests} made-up requests, {report.graphs_captured} decode graphs "
                             f"captured, in {report.seconds:.1f}s")
     return engine
+
+
+def _check_lengths(max_input_length: int | None, max_total_tokens: int | None) -> None:
+    """Both lengths given: the input one below the total (TGI refuses it too), before any weight is read. The model's
+    context bounds them once it is known (engine.py resolve_lengths)."""
+    if max_input_length is not None and max_total_tokens is not None and max_input_length >= max_total_tokens:
+        raise UsageError(f"--max-input-length ({max_input_length}) must be < --max-total-tokens ({max_total_tokens}): "
+                         f"a prompt that long leaves no room for a generated token")
 
 
 def _check_adapter_roots(roots) -> None:

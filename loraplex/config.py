@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loraplex.multimodal.config import MediaConfig
-from loraplex.settings import _fraction, _non_negative, _positive, _positive_float, setting
+from loraplex.settings import _fraction, _non_negative, _non_negative_float, _positive, _positive_float, setting
 
 KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype (layers/kv_quant.py)
 
@@ -21,8 +21,15 @@ class EngineConfig:
         help="HF directory, cached repo id or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     dtype: str | None = setting(choices=("float32", "bfloat16", "float16"))  # None: float32 on CPU, bfloat16 on CUDA
     device: str | None = setting(help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    max_input_length: int = setting(4095, type=_positive)
-    max_total_tokens: int = setting(4096, type=_positive)
+    # None: derived as TGI derives them (engine/engine.py resolve_lengths): max_total_tokens the model's context,
+    # at most 4096 (more when max_input_length asks), and max_input_length max_total_tokens - 1. The engine's config
+    # holds the numbers it serves.
+    max_input_length: int | None = setting(
+        type=_positive, help="the longest prompt in tokens (default: --max-total-tokens - 1)")
+    max_total_tokens: int | None = setting(
+        type=_positive,
+        help="the longest sequence, prompt + generated tokens, one request may reach; at most the model's context "
+             "(default: the model's context, at most 4096, or --max-input-length + 1 when that is more)")
     max_batch_prefill_tokens: int = setting(4096, type=_positive)  # prompt tokens computed per step
     max_batch_total_tokens: int | None = setting(
         type=_positive, help="KV cache capacity in tokens (default: sized from free memory)")
@@ -36,8 +43,9 @@ class EngineConfig:
     max_active_adapters: int = setting(128, type=_positive,
                                        help="device slots for adapters: distinct adapters one step can run")
     max_lora_rank: int = setting(64, type=_positive)
-    adapter_cycle_time_s: float = setting(2.0, type=float, help="when more adapters wait than slots exist, how long "
-                                                                "one keeps its slot before yielding it")
+    adapter_cycle_time_s: float = setting(2.0, type=_non_negative_float,
+                                          help="when more adapters wait than slots exist, how long one keeps its slot "
+                                               "before yielding it (0: it yields as soon as others wait)")
     chat_template: str | None = setting(help="a Jinja chat template file (for checkpoints that ship none, e.g. MPT)")
     # LoRAX's --quantize; its choices are quantization's QUANTIZE_CHOICES, which cli.py supplies (config.py
     # imports nothing from quantization).
@@ -97,10 +105,10 @@ class EngineConfig:
     # Structured output: the largest grammar text (a JSON schema, regex or choice list) and the longest
     # compile a request may ask for.
     max_grammar_bytes: int = setting(
-        64 * 1024, type=int,
+        64 * 1024, type=_positive,
         help="structured output: the largest JSON schema / regex / choice list a request may send")
     grammar_compile_timeout_s: float = setting(
-        10.0, type=float, help="structured output: a grammar that takes longer to compile is refused")
+        10.0, type=_positive_float, help="structured output: a grammar that takes longer to compile is refused")
     revision: str | None = setting(help="a hub model's branch, tag or commit (default: main)")
     # CUDA memory: the fraction of the device this process may use (LoRAX's --cuda-memory-fraction), and the
     # fraction at most kept out of the KV cache for adapter weights (LoRAX's --adapter-memory-fraction).
@@ -133,8 +141,8 @@ class ServerConfig:
              "running); a request past it gets 429 with a Retry-After header, but one is always admitted when none "
              "is in flight (default: off; a few times the KV cache, /info's max_batch_total_tokens, bounds the "
              "queue's wait)")
-    max_stop_sequences: int = setting(4, type=int)
-    max_best_of: int = setting(2, type=int)
+    max_stop_sequences: int = setting(4, type=_non_negative, help="stop sequences a request may send (0: none)")
+    max_best_of: int = setting(2, type=_positive)
     json_output: bool = setting(False, action="store_true")
     default_max_new_tokens: int = 20  # when a request names none
     # OpenAI requests without max_tokens: chat generates up to the context limit, completions 16 tokens (OpenAI's
@@ -151,9 +159,10 @@ class ServerConfig:
              "repetition_penalty where they set none (as vLLM); ignore: they do not. The native API never takes "
              "them (as LoRAX)")
     request_timeout_s: float | None = setting(
-        type=float, help="abort a request still running after this many seconds (504 when nothing was sent yet)")
+        type=_positive_float,
+        help="abort a request still running after this many seconds (504 when nothing was sent yet; default: never)")
     # TGI's --payload-limit. Images sent as data URLs count: raise it for many large ones.
-    max_request_bytes: int = setting(32 * 1024 * 1024, type=int,
+    max_request_bytes: int = setting(32 * 1024 * 1024, type=_positive,
                                      help="refuse request bodies larger than this (413), before parsing them")
     api_keys: tuple[str, ...] = setting(
         (), flag="--api-key", action="append",
@@ -165,8 +174,10 @@ class ServerConfig:
              "the CORS headers")
     preloaded_adapter_ids: tuple[str, ...] = setting(
         (), nargs="+", help="adapters (of --adapter-source) loaded at start and listed by /v1/models")
-    max_cpu_adapters: int = setting(64, type=int,
-                                    help="loaded adapters kept in host memory besides the preloaded ones (LRU)")
+    max_cpu_adapters: int = setting(
+        64, type=_non_negative,
+        help="loaded adapters kept in host memory besides the preloaded ones (LRU; 0: each is read again when a "
+             "request next needs it)")
     adapter_load_threads: int = setting(
         4, type=_positive,
         help="adapters read, checked and laid out at once, beside the engine (in arrival order; the others queue)")
@@ -189,7 +200,7 @@ class ServerConfig:
              "/unload_lora_adapter); they need the API key when --api-key is set")
     # lora/sources/hub_source.py
     adapter_access_ttl_s: float = setting(
-        30.0, type=float,
+        30.0, type=_non_negative_float,
         help="how long the hub's answer on whether a request's api_token may read a hub adapter is reused for "
              "requests with the same token (0: every request asks the hub)")
     validation_workers: int = setting(

@@ -37,6 +37,14 @@ def _positive_float(value: str) -> float:
     return number
 
 
+def _non_negative_float(value: str) -> float:
+    """Durations where 0 means "at once" or "never kept" (documented as such where the setting is declared)."""
+    number = float(value)
+    if not number >= 0.0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return number
+
+
 def _fraction(value: str) -> float:
     number = float(value)
     if not 0.0 < number <= 1.0:

@@ -49,6 +49,12 @@ from loraplex.quantization import graph_blocker
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_TOTAL_TOKENS = 4096  # TGI's, where the model's context allows it
+
+
+class LengthsError(ValueError):
+    """Lengths (max_input_length, max_total_tokens) this model or KV cache cannot serve: one line at start-up."""
+
 
 def _enable_grammar_masks(runner: ModelRunner, vocab_size: int) -> None:
     runner.grammar_masks = GrammarMasks(vocab_size)
@@ -56,8 +62,8 @@ def _enable_grammar_masks(runner: ModelRunner, vocab_size: int) -> None:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
-        config = _fit_to_rope(config, loaded.config)
-        self.config = config
+        requested = config
+        config = resolve_lengths(_fit_to_rope(config, loaded.config), loaded.config.max_position_embeddings)
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
         self.processor = loaded.processor  # None for text-only models
@@ -65,6 +71,10 @@ class Engine:
         self.device, self.dtype = loaded.device, loaded.dtype
         self.kv_cache_dtype = kv_cache_dtype(config, loaded)
         num_blocks = kv_cache_blocks(config, loaded, self.kv_cache_dtype)
+        # One request at its longest fits the cache (smaller only when max_batch_total_tokens sets its size).
+        config = resolve_lengths(config, num_blocks * config.block_size, requested,
+                                 "the KV cache's {} tokens (--max-batch-total-tokens)")
+        self.config = config  # max_total_tokens and max_input_length as served
         # A model whose cross-attention layers cache only its states (Mllama) keeps them in a pool of their
         # own, as many slots as the token pool: the same memory as one pool whose blocks span every layer,
         # but states no longer take token slots (nor tokens state slots).
@@ -144,8 +154,8 @@ class Engine:
 
     @property
     def max_total_tokens(self) -> int:
-        """The longest sequence (prompt + generated) one request may reach."""
-        return min(self.config.max_total_tokens, self.model_config.max_position_embeddings, self.kv_capacity_tokens)
+        """The longest sequence (prompt + generated) one request may reach (within the context and the KV cache)."""
+        return self.config.max_total_tokens
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -460,6 +470,26 @@ def _fit_to_rope(config: EngineConfig, model: ModelConfig) -> EngineConfig:
         log.info("prefix caching off: %s RoPE rotates a sequence's keys by its length", model.rope.kind)
         return dataclasses.replace(config, prefix_caching=False)
     return config
+
+
+def resolve_lengths(config: EngineConfig, limit: int, given: EngineConfig | None = None,
+                    limit_name: str = "the model's context of {} tokens (max_position_embeddings)") -> EngineConfig:
+    """`config` with max_total_tokens and max_input_length within `limit` tokens (the model's context, then the KV
+    cache), those not `given` (default: `config`'s own) derived as TGI does: max_total_tokens config's (none: 4096)
+    within the limit, or max_input_length + 1 where more; max_input_length max_total_tokens - 1. Given lengths the
+    limit cannot hold: LengthsError."""
+    given = given or config
+    longest, fixed = given.max_input_length, given.max_total_tokens is not None
+    total = given.max_total_tokens if fixed else min(config.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS, limit)
+    if longest is not None and longest >= total:
+        if fixed:  # TGI refuses it too
+            raise LengthsError(f"--max-input-length ({longest}) must be < --max-total-tokens ({total}): a prompt "
+                               f"that long leaves no room for a generated token")
+        total = longest + 1
+    if total > limit:
+        what = f"--max-total-tokens ({total}) is more than" if fixed else f"--max-input-length ({longest}) must be <"
+        raise LengthsError(f"{what} {limit_name.format(limit)}")
+    return dataclasses.replace(config, max_total_tokens=total, max_input_length=total - 1 if longest is None else longest)
 
 
 def _longrope_recompute_length(model: ModelConfig) -> int | None:

@@ -174,6 +174,7 @@ def test_an_fp8_cache_sized_from_free_memory_holds_twice_the_tokens():
     ours, config = ours_from_hf(tiny_hf_model("llama").to(DEVICE), device=DEVICE, dtype=torch.bfloat16)
     loaded = LoadedModel(ours, config, None, torch.device(DEVICE), torch.bfloat16, "test-model")
     torch.cuda.synchronize()
-    blocks = {name: kv_cache_blocks(EngineConfig(kv_cache_memory_fraction=0.02, kv_cache_dtype=name), loaded)
+    blocks = {name: kv_cache_blocks(EngineConfig(kv_cache_memory_fraction=0.02, kv_cache_dtype=name,
+                                                 max_total_tokens=4096), loaded)  # resolved, as Engine passes it
               for name in ("auto", "fp8")}
     assert abs(blocks["fp8"] / blocks["auto"] - 2) < 0.01, blocks

@@ -29,7 +29,7 @@ def test_version():
 
 def test_help_shows_defaults_and_environment_variables():
     text = " ".join(loraplex("serve", "--help").stdout.split())
-    for expected in ("default: 4095; env MAX_INPUT_LENGTH", "env MODEL_ID", "default: 8080; env PORT",
+    for expected in ("env MAX_INPUT_LENGTH", "env MODEL_ID", "default: 8080; env PORT",
                      "env HOSTNAME_BIND", "--trust-remote-code", "--cuda-memory-fraction", "--max-waiting-tokens",
                      "env MAX_QUEUED_TOKENS"):
         assert expected in text, expected
