@@ -8,17 +8,15 @@ engines (as tests do).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import torch
 from torch import nn
 
 from loraplex.lora.adapter import BaseShapes, LoraAdapter, LoraWeights
 from loraplex.lora.step.kernels import PointerTable
-from loraplex.lora.step.experts import ExpertProjection
 from loraplex.lora.step.layers import wrap_linears
-from loraplex.lora.step.row_maps import LoraGroups, LoraSegment
+from loraplex.lora.device.stacks import SlotStacks, Stack
 from loraplex.lora.device.staging import StagedUploads
 from loraplex.lora.device.upload import AdapterUploader, Uploaded
 
@@ -39,7 +37,7 @@ class AdapterTable:
         self.pointers = PointerTable(list(self.layers), num_slots, device)
         self._uploader = AdapterUploader(device, dtype)
         self._staged = StagedUploads(self._uploader)
-        self._stack: tuple[tuple[int, ...], Stack] | None = None  # the last one built, until an install
+        self._stacks = SlotStacks(self)  # the stacked form's weights, kept across steps
 
     @property
     def base_shapes(self) -> BaseShapes:
@@ -56,7 +54,7 @@ class AdapterTable:
         self._uploads[slot], self._views[slot] = uploaded, None
         self.pointers.set_slot_uploaded(slot, uploaded)
         self.occupant[slot] = adapter.key
-        self._stack = None
+        self._stacks.changed(slot)
 
     def installs(self):
         """A context for a step's installs: the pointer table reaches the device once, at its end."""
@@ -77,7 +75,7 @@ class AdapterTable:
         self._uploads[slot], self._views[slot] = None, None
         self.pointers.set_slot(slot, {})
         self.occupant[slot] = None
-        self._stack = None
+        self._stacks.changed(slot)
 
     def weights(self, slot: int) -> dict[str, LoraWeights]:
         """module name -> the weights of the adapter in `slot` (empty: none), as views of its upload."""
@@ -96,29 +94,10 @@ class AdapterTable:
             return None
         return self.weights(slot)[name]
 
-    def stack(self, slots: tuple[int, ...]) -> "Stack":
-        """The adapters in `slots` stacked per layer: A [G, R, in] and B [G, out, R] with the scale folded
-        into B and ranks zero-padded to the largest R among them (zeros where a slot's adapter does not
-        target the layer). Kept while unchanged."""
-        if self._stack is not None and self._stack[0] == slots:
-            return self._stack[1]
-        rank = max((t[s].rank for t in self.columns.values() for s in slots if t[s] is not None), default=0)
-        layers = {}
-        for name, column in self.columns.items():
-            if all(column[slot] is None for slot in slots) or isinstance(self.layers[name], ExpertProjection):
-                continue  # no delta here: skipping it beats multiplying through zeros every step (experts group their own)
-            layer = self.layers[name]
-            a_stack = torch.zeros(len(slots), rank, layer.in_features, device=self.device, dtype=self.dtype)
-            b_stack = torch.zeros(len(slots), layer.out_features, rank, device=self.device, dtype=self.dtype)
-            for group, slot in enumerate(slots):
-                weights = column[slot]
-                if weights is not None:
-                    a_stack[group, : weights.rank] = weights.a
-                    b_stack[group, :, : weights.rank] = weights.b * weights.scale
-            layers[name] = (a_stack, b_stack)
-        stack = Stack({slot: group for group, slot in enumerate(slots)}, layers)
-        self._stack = (slots, stack)
-        return stack
+    def stack(self, slots: tuple[int, ...]) -> Stack:
+        """The adapters in `slots` stacked per layer for the stacked form (lora/device/stacks.py: kept across steps,
+        each slot written when it joins)."""
+        return self._stacks.for_slots(slots)
 
 
 class LayerColumn:
@@ -130,37 +109,3 @@ class LayerColumn:
 
     def __getitem__(self, slot: int) -> LoraWeights | None:
         return self._table.module_weights(slot, self._name)
-
-
-@dataclass
-class Stack:
-    """Several slots' adapters stacked: slot -> its group, and per layer (A, B) for the layers at least
-    one of them targets."""
-
-    group_of: dict[int, int]
-    layers: dict[str, tuple[torch.Tensor, torch.Tensor]]
-
-    def groups(self, segments: Sequence[LoraSegment], device: torch.device) -> LoraGroups:
-        """How the rows of `segments` (contiguous, each of a slot in the stack) fill the stack's groups."""
-        assert segments, "no rows use an adapter"
-        start, end = segments[0].start, segments[-1].end
-        per_group = [0] * len(self.group_of)
-        for segment in segments:
-            per_group[self.group_of[segment.slot]] += segment.end - segment.start
-        rows_per_group = max(per_group)
-        # Positions no row fills (short or empty groups) compute on row `start`; nothing reads them back.
-        gather = [start] * (len(per_group) * rows_per_group)
-        scatter: list[int] = []
-        filled = [0] * len(per_group)
-        previous_end = start
-        for segment in segments:
-            assert segment.start == previous_end, "adapter rows must be contiguous (the runner sorts them)"
-            previous_end = segment.end
-            group = self.group_of[segment.slot]
-            for row in range(segment.start, segment.end):
-                position = group * rows_per_group + filled[group]
-                gather[position] = row
-                scatter.append(position)
-                filled[group] += 1
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        return LoraGroups(start, end, len(per_group), rows_per_group, as_tensor(gather), as_tensor(scatter))
