@@ -13,15 +13,12 @@ Groups of slots that are not in a step compute on a placeholder row and are neve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from loraplex.lora.step.experts import ExpertProjection
 from loraplex.lora.step.row_maps import LoraGroups, LoraSegment
-
-if TYPE_CHECKING:
-    from loraplex.lora.device.table import AdapterTable
 
 
 @dataclass
@@ -63,7 +60,7 @@ class Stack:
 class SlotStacks:
     """One table's stacks, kept across steps (see the module's notes)."""
 
-    def __init__(self, table: "AdapterTable") -> None:
+    def __init__(self, table: Any) -> None:  # its AdapterTable (table.py): columns, layers, device, dtype
         self.table = table
         self.stack: Stack | None = None
         self.stale: set[int] = set()  # slots whose adapter changed since their group was written
