@@ -142,6 +142,11 @@ class ServerConfig:
              "is in flight (default: off; a few times the KV cache, /info's max_batch_total_tokens, bounds the "
              "queue's wait)")
     max_stop_sequences: int = setting(4, type=_non_negative, help="stop sequences a request may send (0: none)")
+    # How many entries each list of a request may have, counted before any work per entry (server/limits.py).
+    max_messages: int = setting(4096, type=_positive, help="chat messages in one request")
+    max_content_parts: int = setting(4096, type=_positive, help="content parts (text, images) of one request's messages")
+    max_tools: int = setting(512, type=_positive, help="tool definitions in one chat request")
+    max_stop_token_ids: int = setting(1024, type=_positive, help="stop_token_ids of one request")
     max_best_of: int = setting(2, type=_positive)
     json_output: bool = setting(False, action="store_true")
     default_max_new_tokens: int = 20  # when a request names none

@@ -1,5 +1,9 @@
 """The edge's size limits, shared by the native and OpenAI routes: the engine's input processor checks
-(engine/requests/inputs.py), its refusals said in the request's own field names; messages name the limit and its value."""
+(engine/requests/inputs.py), its refusals said in the request's own field names; messages name the limit and its value.
+
+Every list a request carries is counted against its flag (`check_count`) right after the request is parsed, before
+any work per element (chat templates, tool grammars, images): counting is O(1) per list, so a request of a million
+messages costs its parse and no more."""
 
 from __future__ import annotations
 
@@ -33,3 +37,19 @@ def check_stop_sequences(state: ServerState, num_stops: int) -> None:
     limit = state.config.max_stop_sequences
     if num_stops > limit:
         raise BadRequest(f"stop must have at most {limit} sequences (max stop sequences); got {num_stops}", "stop")
+
+
+def check_count(state: ServerState, param: str, count: int, setting: str) -> None:
+    """`count` entries of the request's `param` within the ServerConfig `setting` that bounds them."""
+    limit = getattr(state.config, setting)
+    if count > limit:
+        words, flag = setting.replace("_", " "), "--" + setting.replace("_", "-")
+        raise BadRequest(f"{param} must have at most {limit} entries ({words}: {flag}); got {count}", param)
+
+
+def check_token_ids(state: ServerState, param: str, ids) -> None:
+    """Token ids the request names (e.g. stop_token_ids; counted by server/counted_route.py): each in the vocabulary."""
+    vocab = state.tokenizer.vocab_size
+    outside = next((i for i in ids if not 0 <= i < vocab), None)
+    if outside is not None:
+        raise BadRequest(f"{param} must be token ids in [0, {vocab}); got {outside}", param)

@@ -36,11 +36,12 @@ from loraplex.server.docs import EVENTS, JSON_OR_EVENTS
 from loraplex.server.errors import NATIVE_GENERATE_ERRORS, BadRequest, documented_errors, native_error
 from loraplex.server.grammars import compile_grammars
 from loraplex.server.images import encode_prompt, image_placeholder
+from loraplex.server.counted_route import CountedRoute
 from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences
 from loraplex.server.request_log import note_adapter
 from loraplex.server.state import GenerationFailed, ServerState, adapter_header, get_state, run_to_end
 
-router = APIRouter()
+router = APIRouter(route_class=CountedRoute)  # bodies parsed and counted off the loop
 ERRORS = documented_errors(False, *NATIVE_GENERATE_ERRORS)
 
 

@@ -46,7 +46,8 @@ from loraplex.server.docs import JSON_OR_EVENTS
 from loraplex.server.errors import OPENAI_GENERATE_ERRORS, BadRequest, ModelNotFound, documented_errors
 from loraplex.server.grammars import compile_grammars
 from loraplex.server.images import check_takes_images, encode_prompt
-from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences
+from loraplex.server.counted_route import CountedRoute
+from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences, check_token_ids
 from loraplex.server.request_log import note_adapter
 from loraplex.server.state import (
     Finished,
@@ -57,7 +58,7 @@ from loraplex.server.state import (
     run_to_end,
 )
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=CountedRoute)  # bodies parsed and counted off the loop
 ERRORS = documented_errors(True, *OPENAI_GENERATE_ERRORS)
 T = TypeVar("T")
 
@@ -140,6 +141,7 @@ def sampling_params(
     state: ServerState, body: SamplingFields, max_tokens: int, top_n: int = 0, prompt_logprobs: bool = False
 ) -> SamplingParams:
     check_stop_sequences(state, len(body.stops))
+    check_token_ids(state, "stop_token_ids", body.stop_token_ids or ())
     return body.with_defaults(state.sampling_defaults).to_sampling_params(max_tokens, top_n, prompt_logprobs)
 
 

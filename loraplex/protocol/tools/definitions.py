@@ -126,9 +126,10 @@ def plan_tools(tools: list[ToolDefinition] | None, choice: ToolChoice, parallel:
     """Check `tools` and `tool_choice` together (Unsupported naming the field) and say what to do."""
     tools = list(tools or [])
     names = [t.function.name for t in tools]
-    duplicated = sorted({n for n in names if names.count(n) > 1})
-    if duplicated:
-        raise Unsupported(f"tools must have distinct function names; {duplicated[0]!r} is given twice", "tools")
+    seen: set[str] = set()
+    duplicated = next((n for n in names if n in seen or seen.add(n)), None)  # linear: requests may carry many tools
+    if duplicated is not None:
+        raise Unsupported(f"tools must have distinct function names; {duplicated!r} is given twice", "tools")
     if choice is not None and not tools:  # as OpenAI and vLLM answer: a choice among no tools is a mistake
         raise Unsupported(f"tool_choice {_shown(choice)} needs tools; none are given", "tool_choice")
     if isinstance(choice, NamedToolChoice):
