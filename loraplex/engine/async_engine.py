@@ -123,6 +123,13 @@ class AsyncEngine:
             if not finished:
                 self._send(AbortRequest(request_id))
 
+    def prepare_grammars(self) -> threading.Thread:
+        """Ready the grammar engine for structured output on a thread of its own, now (engine/requests/inputs.py
+        `GrammarCache.prepare`): the first structured-output request then finds it ready."""
+        thread = threading.Thread(target=self.engine.inputs.grammars.prepare, name="loraplex-grammars", daemon=True)
+        thread.start()
+        return thread
+
     async def compile_grammar(self, spec: GrammarSpec) -> None:
         """Compile a request's grammar on a worker thread, before the request is queued, so that the engine
         thread never waits on a compile. Raises RequestRefused when the grammar is unusable or not compiled

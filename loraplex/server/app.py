@@ -52,6 +52,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     state = ServerState(engine, config, Metrics(served_name, engine.stats),
                         adapter_store(model.adapter_targets, config), validation=validation)
     state.metrics.watch_admission(state.admission)
+    engine.prepare_grammars()  # off the loop, now: not at the first structured-output request
     if config.generation_config == "auto":
         state.sampling_defaults = generation_config_defaults(model.sampling_defaults)
     app.state.loraplex = state

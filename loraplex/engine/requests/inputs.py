@@ -72,18 +72,30 @@ class GrammarCache:
     def __init__(self, tokenizer, model_config: ModelConfig, config: EngineConfig, on_first: Callable[[], None]):
         self.tokenizer, self.model_config, self.config, self.on_first = tokenizer, model_config, config, on_first
         self._grammars: Grammars | None = None
+        self._used = False  # `on_first` called (at the first compile)
         self._made = threading.Lock()
 
-    def compile(self, spec: GrammarSpec):
-        """The compiled grammar for `spec`; RequestRefused naming the problem (unusable, or over a limit)."""
+    def prepare(self) -> None:
+        """Import the grammar engine and read the tokenizer into it now, not at the first structured-output request:
+        about a second's work that holds the interpreter (every thread, the event loop's too, waits), so the server
+        has it done on a thread of its own as it starts (AsyncEngine.prepare_grammars)."""
         if self.tokenizer is None:
-            raise RequestRefused("structured output needs the model's tokenizer")
+            return
         with self._made:
             if self._grammars is None:
                 limits = GrammarLimits(self.config.max_grammar_bytes, self.config.grammar_compile_timeout_s)
                 self._grammars = Grammars(
                     self.tokenizer.hf, self.model_config.vocab_size, tuple(self.tokenizer.eos_token_ids), limits
                 )
+
+    def compile(self, spec: GrammarSpec):
+        """The compiled grammar for `spec`; RequestRefused naming the problem (unusable, or over a limit)."""
+        if self.tokenizer is None:
+            raise RequestRefused("structured output needs the model's tokenizer")
+        self.prepare()
+        with self._made:
+            if not self._used:
+                self._used = True
                 self.on_first()
         try:
             return self._grammars.compile(spec)
