@@ -10,6 +10,8 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 
+from loraplex.multimodal.budget import DecodeBudget
+
 
 def normalise_host(host: str) -> str:
     """The form hosts are compared in: lowercase ASCII (IDNA), no trailing dot, IPv6 without brackets."""
@@ -51,16 +53,27 @@ class MediaConfig:
     fetch_timeout_s: float = 10.0
     # Redirects followed per image; each target is checked like the original URL. 0 refuses them.
     max_redirects: int = 3
+    # Decoded size of one request's images together (width x height x 3 bytes of RGB each), counted
+    # from their headers before any is decoded; more is refused (413). 512 MiB admits the largest
+    # request the limits above allow (8 images of 4096 x 4096: 384 MiB).
+    max_decoded_bytes_per_request: int = 512 * 1024 * 1024
+    # Decoded size of all requests' images at once, server-wide: a request whose images do not fit
+    # beside those being decoded and processed waits for them (first come first served); one that could
+    # never fit is refused (413). 1 GiB: two of the largest requests at a time, not every request at once.
+    max_decoded_bytes_total: int = 1024 * 1024 * 1024
 
     # Derived: allowed_media_domains normalised for comparison.
     allowed_hosts: frozenset[str] = field(init=False, repr=False, compare=False)
+    # The server-wide budget of max_decoded_bytes_total, one per MediaConfig (one per server).
+    decode_budget: DecodeBudget = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         local = self.allowed_local_media_path or None
         if local is not None and not os.path.isabs(local):
             raise ValueError(f"allowed_local_media_path must be an absolute path, not {local!r}")
         domains = (self.allowed_media_domains,) if isinstance(self.allowed_media_domains, str) else self.allowed_media_domains
-        for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request"):
+        for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request",
+                     "max_decoded_bytes_per_request", "max_decoded_bytes_total"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.fetch_timeout_s <= 0:
@@ -70,3 +83,4 @@ class MediaConfig:
         object.__setattr__(self, "allowed_local_media_path", local)
         object.__setattr__(self, "allowed_media_domains", tuple(domains))
         object.__setattr__(self, "allowed_hosts", frozenset(normalise_host(d) for d in domains))
+        object.__setattr__(self, "decode_budget", DecodeBudget(self.max_decoded_bytes_total))

@@ -9,12 +9,16 @@
 3. Only the first frame of an animated GIF or WebP is decoded. EXIF orientation is applied (as
    transformers' load_image does); transparency is composited onto white (as vLLM and transformers'
    convert_to_rgb do) rather than dropped to whatever colour hides under it.
-CPU-bound: callers on an event loop run this in a thread.
+read_header does 1-2 (cheap: the server counts every image's decoded size against its budgets before
+any is decoded), decode_pixels does 3. CPU-bound: callers on an event loop run these in a thread.
 """
 
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from PIL import Image, ImageOps
 
@@ -73,17 +77,51 @@ def _other_format(data: bytes) -> str | None:
     return None
 
 
-def decode_image(data: bytes, config: MediaConfig) -> Image.Image:
-    """Checked, decoded, RGB. Raises UnsupportedMediaType (415), MediaTooLarge (413) or MediaDecodeError (422)."""
+@dataclass
+class ImageHeader:
+    """An image opened lazily: format and size read from its header, no pixel decoded yet."""
+
+    image: Image.Image
+    fmt: str
+    config: MediaConfig
+
+    @property
+    def decoded_bytes(self) -> int:
+        """What decoding it will hold: its RGB pixels, width x height x 3 bytes."""
+        width, height = self.image.size
+        return width * height * 3
+
+
+def read_header(data: bytes, config: MediaConfig) -> ImageHeader:
+    """Bytes, format and pixel count checked; the pixels are not decoded. Same errors as decode_image."""
     if len(data) > config.max_image_bytes:
         raise over_byte_limit(f"image is {len(data)} bytes", config.max_image_bytes)
     fmt = sniff_format(data)
-    try:
+    with _decoding(fmt, config):
         image = Image.open(io.BytesIO(data), formats=[fmt])  # parses the header; pixels not decoded yet
         check_pixels(*image.size, config)
+        return ImageHeader(image, fmt, config)
+
+
+def decode_pixels(header: ImageHeader) -> Image.Image:
+    """The image's pixels decoded, first frame, EXIF orientation applied, RGB. CPU-bound: run in a thread."""
+    with _decoding(header.fmt, header.config):
+        image = header.image
         image.seek(0)  # first frame of an animation
         image.load()
         return _to_rgb(ImageOps.exif_transpose(image))
+
+
+def decode_image(data: bytes, config: MediaConfig) -> Image.Image:
+    """Checked, decoded, RGB. Raises UnsupportedMediaType (415), MediaTooLarge (413) or MediaDecodeError (422)."""
+    return decode_pixels(read_header(data, config))
+
+
+@contextmanager
+def _decoding(fmt: str, config: MediaConfig) -> Iterator[None]:
+    """Pillow's errors as ours."""
+    try:
+        yield
     except MediaError:
         raise
     except Image.DecompressionBombError as exc:  # Pillow's own guard, in open() or a GIF frame's load()
