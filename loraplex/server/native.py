@@ -251,29 +251,36 @@ async def invocations(body: CompatGenerateRequest, request: Request):
     return await compat_generate(body, request)
 
 
-@router.post("/tokenize", responses=documented_errors(False, 413, 415, 422))
+@router.post("/tokenize", responses=documented_errors(False, 413, 415, 422, 429))
 async def tokenize(body: TokenizeRequest, request: Request):
+    # The tokens of `inputs`, at most --max-input-length of them (more: 422 naming the limit, refused before any
+    # work per token, so the answer stays bounded); on the token routes' workers, never generation's (a full pool:
+    # 429 + Retry-After).
     state = get_state(request)
-    tokenizer = state.tokenizer
-    state.validation.check_length(body.inputs, "inputs")
-    text, urls = split_markdown_images(body.inputs, image_placeholder(state))
-    if urls:  # each image's placeholder tokens, as many as the request would use (no character offsets)
-        ids, _ = await encode_prompt(state, text, urls, body.add_special_tokens, "inputs")
-        offsets = [(0, 0)] * len(ids)
-    else:
-        ids, offsets = None, None
+    tokenizer, validation = state.tokenizer, state.validation
+    validation.check_length(body.inputs, "inputs")
+    with validation.token_routes():
+        text, urls = split_markdown_images(body.inputs, image_placeholder(state))
+        if urls:  # each image's placeholder tokens, as many as the request would use (no character offsets)
+            ids, _ = await encode_prompt(state, text, urls, body.add_special_tokens, "inputs")
+            validation.check_tokens(len(ids), "inputs")
+            offsets = [(0, 0)] * len(ids)
+        else:
+            ids, offsets = None, None
 
-    def answer() -> bytes:  # on a validation worker: the tokens, one dict each, and their JSON are O(input)
-        found, spans = (ids, offsets) if ids is not None else _encode_with_offsets(tokenizer, body)
-        tokens = [{"id": i, "text": tokenizer.token_text(i), "start": start, "stop": stop}
-                  for i, (start, stop) in zip(found, spans)]
-        return json.dumps(tokens, ensure_ascii=False, separators=(",", ":")).encode()
+        def answer() -> bytes:  # on a worker: the tokens, one dict each, and their JSON are O(input)
+            found, spans = (ids, offsets) if ids is not None else _encode_with_offsets(tokenizer, validation, body)
+            tokens = [{"id": i, "text": tokenizer.token_text(i), "start": start, "stop": stop}
+                      for i, (start, stop) in zip(found, spans)]
+            return json.dumps(tokens, ensure_ascii=False, separators=(",", ":")).encode()
 
-    return Response(await state.validation.run(answer), media_type="application/json")
+        return Response(await validation.run(answer), media_type="application/json")
 
 
-def _encode_with_offsets(tokenizer, body: TokenizeRequest) -> tuple[list[int], list]:
+def _encode_with_offsets(tokenizer, validation, body: TokenizeRequest) -> tuple[list[int], list]:
+    """The ids and their character spans; past --max-input-length refused as soon as the ids are known."""
     ids = tokenizer.encode(body.inputs, add_special_tokens=body.add_special_tokens)
+    validation.check_tokens(len(ids), "inputs")
     encoding = tokenizer.hf(body.inputs, add_special_tokens=body.add_special_tokens, return_offsets_mapping=True)
     return ids, encoding.get("offset_mapping") or [(0, 0)] * len(ids)
 
