@@ -338,3 +338,13 @@ def counting_launches(engine) -> dict[str, int]:
 
     engine.runner.launch = counted
     return counts
+
+
+def metric_value(metrics_text: str, name: str) -> float:
+    """The value of the sample `name` in a /metrics exposition: unlabelled, or labelled only with the served model's
+    name (vLLM's series carry `model_name`)."""
+    import re
+
+    match = re.search(rf'^{re.escape(name)}(?:\{{model_name="[^"]*"\}})? (\S+)$', metrics_text, re.M)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))

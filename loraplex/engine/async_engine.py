@@ -126,7 +126,13 @@ class AsyncEngine:
     def prepare_grammars(self) -> threading.Thread:
         """Ready the grammar engine for structured output on a thread of its own, now (engine/requests/inputs.py
         `GrammarCache.prepare`): the first structured-output request then finds it ready."""
-        thread = threading.Thread(target=self.engine.inputs.grammars.prepare, name="loraplex-grammars", daemon=True)
+        def prepare() -> None:
+            try:
+                self.engine.inputs.grammars.prepare()
+            except Exception as exc:  # noqa: BLE001  (a tokenizer the grammar engine cannot read: its first use says so)
+                log.info("structured output not readied at start: %r", exc)
+
+        thread = threading.Thread(target=prepare, name="loraplex-grammars", daemon=True)
         thread.start()
         return thread
 

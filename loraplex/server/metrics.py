@@ -2,12 +2,13 @@
 
 LoRAX's counters are exposed under their exact names (`lorax_request_count`, not `..._total`), typed as
 counters, as LoRAX's Rust exporter writes them: dashboards built for LoRAX work unchanged. vLLM's request
-histograms and counters carry its `model_name` label, so dashboards and routers built for vLLM read ours.
-Engine-state gauges are read at scrape time.
+series (histograms, counters and gauges) carry its `model_name` label, so dashboards and routers built for vLLM read
+ours. Engine-state gauges are read at scrape time.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Callable
@@ -62,6 +63,10 @@ class Metrics:
         self.request_success = Gauge("lorax_request_success", "Requests that finished", ["adapter"], registry=c)
         self.request_failure = Gauge("lorax_request_failure", "Requests that failed", ["err"], registry=c)
         self.duration = Histogram("lorax_request_duration", "End-to-end seconds", buckets=DURATION_BUCKETS, registry=r)
+        self.validation_duration = Histogram(
+            "lorax_request_validation_duration", "Seconds from a request's arrival to its queueing (parsing, checks, "
+            "tokenization, its adapter's load)", buckets=DURATION_BUCKETS, registry=r,
+        )
         self.queue_duration = Histogram(
             "lorax_request_queue_duration", "Seconds waiting before the first step", buckets=DURATION_BUCKETS, registry=r
         )
@@ -87,7 +92,7 @@ class Metrics:
         )
         self.vllm = _VllmRequestMetrics(r, model_name)
         self._adapter_labels: set[str] = {BASE_ADAPTER}
-        r.register(_EngineGauges(stats))
+        r.register(_EngineGauges(stats, model_name))
 
     def _label(self, adapter: str) -> str:
         """The adapter as the client named it (the request's record; else the store's key), with bounded
@@ -104,6 +109,8 @@ class Metrics:
         self.request_count.labels(self._label(adapter)).inc()
         self.input_length.observe(num_prompt_tokens)
         if (record := request_log.current()) is not None:
+            if not record.queued:  # its first engine request (of its n choices): validated now
+                self.validation_duration.observe(time.perf_counter() - record.arrived)
             record.started_run(num_prompt_tokens)
 
     def on_success(self, final: "RequestOutput", adapter: str = BASE_ADAPTER) -> None:
@@ -206,39 +213,41 @@ class _VllmRequestMetrics:
 
 
 class _EngineGauges:
-    """Scrape-time reads of the engine's queues, KV cache and counters, from its stats snapshot."""
+    """Scrape-time reads of the engine's queues, KV cache and counters, from its stats snapshot; vLLM's series with
+    its `model_name` label."""
 
-    def __init__(self, stats: "Callable[[], EngineStats]") -> None:
-        self.stats = stats
+    def __init__(self, stats: "Callable[[], EngineStats]", model_name: str) -> None:
+        self.stats, self.model_name = stats, model_name
 
     def collect(self):
         stats = self.stats()
+        vllm = functools.partial(_vllm, self.model_name)
         yield _gauge("lorax_queue_length", "Requests waiting", stats.num_waiting)
         yield _gauge("lorax_batch_current_size", "Requests in the running batch", stats.num_running)
-        yield _gauge("vllm:num_requests_waiting", "Requests waiting", stats.num_waiting)
-        yield _gauge("vllm:num_requests_running", "Requests running", stats.num_running)
-        yield _gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1", stats.kv_cache_usage)
+        yield vllm(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting", stats.num_waiting)
+        yield vllm(GaugeMetricFamily, "vllm:num_requests_running", "Requests running", stats.num_running)
+        yield vllm(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV cache usage, 0..1", stats.kv_cache_usage)
         if stats.state_cache_usage is not None:  # Mllama: image states in a pool of their own
             yield _gauge("loraplex_state_cache_usage_perc", "Image state cache usage, 0..1", stats.state_cache_usage)
         # vLLM's names, in tokens, so dashboards and routers that read a prefix-cache hit rate read ours.
-        yield CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                  value=stats.prefix_cache_queries)
-        yield CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                  value=stats.prefix_cache_hits)
+        yield vllm(CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                   stats.prefix_cache_queries)
+        yield vllm(CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                   stats.prefix_cache_hits)
         if stats.encoded_images is not None:
             yield CounterMetricFamily("loraplex_vision_encoded_images", "Images run through the vision tower",
                                       value=stats.encoded_images)
             yield CounterMetricFamily("loraplex_vision_encoder_seconds", "Seconds spent in the vision tower and projector",
                                       value=stats.vision_encoder_seconds)
-        yield CounterMetricFamily("vllm:num_preemptions", "Requests preempted (KV cache full), recomputed later",
-                                  value=stats.num_preemptions)
-        yield from _spec_decode_counters(stats)
+        yield vllm(CounterMetricFamily, "vllm:num_preemptions", "Requests preempted (KV cache full), recomputed later",
+                   stats.num_preemptions)
+        yield from _spec_decode_counters(stats, vllm)
         info = GaugeMetricFamily(
             "vllm:lora_requests_info", "Adapters of running and waiting requests",
-            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
         )
-        info.add_metric([",".join(stats.running_adapters), ",".join(stats.waiting_adapters), str(stats.max_adapters)],
-                        time.time())
+        info.add_metric([self.model_name, ",".join(stats.running_adapters), ",".join(stats.waiting_adapters),
+                         str(stats.max_adapters)], time.time())
         yield info
 
     def describe(self):
@@ -261,13 +270,23 @@ class _AdmissionGauges:
         return []
 
 
-def _spec_decode_counters(stats: "EngineStats"):
+def _spec_decode_counters(stats: "EngineStats", vllm):
     """Speculative decoding's drafted and accepted tokens, under loraplex's names and vLLM's (`_total` added)."""
-    for prefix in ("loraplex_spec_decode_", "vllm:spec_decode_num_"):
-        yield CounterMetricFamily(prefix + "draft_tokens", "Draft tokens the model verified",
-                                  value=stats.spec_draft_tokens)
-        yield CounterMetricFamily(prefix + "accepted_tokens", "Draft tokens the model accepted",
-                                  value=stats.spec_accepted_tokens)
+    yield CounterMetricFamily("loraplex_spec_decode_draft_tokens", "Draft tokens the model verified",
+                              value=stats.spec_draft_tokens)
+    yield CounterMetricFamily("loraplex_spec_decode_accepted_tokens", "Draft tokens the model accepted",
+                              value=stats.spec_accepted_tokens)
+    yield vllm(CounterMetricFamily, "vllm:spec_decode_num_draft_tokens", "Draft tokens the model verified",
+               stats.spec_draft_tokens)
+    yield vllm(CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens", "Draft tokens the model accepted",
+               stats.spec_accepted_tokens)
+
+
+def _vllm(model_name: str, family, name: str, doc: str, value: float):
+    """A vLLM series, labelled with the served model's name as vLLM labels its own."""
+    metric = family(name, doc, labels=["model_name"])
+    metric.add_metric([model_name], value)
+    return metric
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

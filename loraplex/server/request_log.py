@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from loraplex.server import tracing
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from loraplex.engine.requests.output import RequestOutput
 
 log = logging.getLogger("loraplex.requests")
+NOT_LOGGED = ("counted_as", "arrived", "queued")  # the record's bookkeeping, not facts of the log line
 MAX_REQUEST_ID = 128  # longer (or unprintable) x-request-id headers are replaced by our own id
 
 
@@ -49,9 +50,12 @@ class RequestRecord:
     # The `err` label it was counted under in lorax_request_failure (Metrics): a request that did not end ok is
     # counted once, where its reason is known, else by RequestLog when it ends. Not a field of the log line.
     counted_as: str | None = None
+    arrived: float = field(default_factory=time.perf_counter)  # when its record was made: as the request arrived
+    queued: bool = False  # an engine request of it was queued (lorax_request_validation_duration observed then)
 
     def started_run(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens += num_prompt_tokens
+        self.queued = True
 
     def finished_run(self, final: "RequestOutput") -> None:
         queue, total = final.timings.get("queue", 0.0), final.timings.get("total", 0.0)
@@ -80,7 +84,7 @@ class RequestRecord:
                             else "ok" if self.complete else "client_gone")
 
     def fields(self) -> dict:
-        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items() if k != "counted_as"}
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items() if k not in NOT_LOGGED}
 
 
 OUTCOMES = ("ok", "refused", "client_gone", "timed_out", "shutdown", "failed")

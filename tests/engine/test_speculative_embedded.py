@@ -22,6 +22,7 @@ from loraplex.params import GrammarSpec, SamplingParams
 from loraplex.server.metrics import Metrics
 from tests.engine.speculation import StepLog, run_to_end
 from tests.models.conftest import one_thread  # noqa: F401 — the fixture, for usefixtures below
+from tests.helpers import metric_value
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -191,4 +192,4 @@ def test_streams_every_kept_token_in_order_and_counts_in_metrics(make_engine, em
                         ("loraplex_spec_decode_accepted_tokens_total", accepted),
                         ("vllm:spec_decode_num_draft_tokens_total", drafted),
                         ("vllm:spec_decode_num_accepted_tokens_total", accepted)]:
-        assert math.isclose(float(re.search(rf"^{re.escape(name)} (\S+)$", metrics, re.M).group(1)), value)
+        assert math.isclose(metric_value(metrics, name), value)

@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import metric_value
 
 @pytest.fixture(scope="module")
 def server(api_server):
@@ -123,8 +124,7 @@ def test_fifth_concurrent_request_gets_429_and_slots_come_back(server):
 
 
 def gauge(metrics_text: str, name: str) -> float:
-    line = next(l for l in metrics_text.splitlines() if l.startswith(name + " "))
-    return float(line.split()[-1])
+    return metric_value(metrics_text, name)
 
 
 def test_disconnected_streams_are_aborted_and_free_the_kv_cache(server):

@@ -18,6 +18,7 @@ from loraplex.params import FinishReason, SamplingParams, TokenInfo
 from loraplex.server.app import create_app
 from loraplex.server.openai_routes import Job, Renderer, start_all, stream_events
 from loraplex.server.state import GenerationFailed
+from tests.helpers import metric_value
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -238,10 +239,10 @@ def test_closed_n_stream_frees_every_slot(server, client):
     deadline = time.monotonic() + 30
     while True:
         metrics = httpx.get(f"{server}/metrics", timeout=10).text
-        running = next(l for l in metrics.splitlines() if l.startswith("vllm:num_requests_running "))
-        if float(running.split()[-1]) == 0 or time.monotonic() > deadline:
+        running = metric_value(metrics, "vllm:num_requests_running")
+        if running == 0 or time.monotonic() > deadline:
             break
-    assert float(running.split()[-1]) == 0
+    assert running == 0
     serves(client)
 
 

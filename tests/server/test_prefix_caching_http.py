@@ -3,19 +3,16 @@ tenants (OpenAI body field, native `parameters.cache_salt`)."""
 
 from __future__ import annotations
 
-import re
 
 import httpx
+from tests.helpers import metric_value
 
 PROMPT = ("You are the help desk of a train company. Answer briefly and politely; never promise refunds, and point "
           "travellers to the ticket office for anything about seat reservations or lost luggage. Question: ")
 
 
 def counter(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    match = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
-    assert match, f"{name} not in /metrics"
-    return float(match.group(1))
+    return metric_value(httpx.get(f"{url}/metrics").text, name)
 
 
 def hits_for(url: str, send) -> float:

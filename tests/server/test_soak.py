@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.helpers import live_server_process
+from tests.helpers import live_server_process, metric_value
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "examples" / "adapters"
 ADAPTERS = ["name-nova", "name-orion", "name-lyra", "style-caps"]
@@ -210,9 +210,7 @@ def gauges(url: str) -> dict[str, float]:
              "lorax_queue_length", "lorax_batch_current_size")
     found = {}
     for name in names:
-        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-        assert match, f"{name} not in /metrics"
-        found[name] = float(match.group(1))
+        found[name] = metric_value(text, name)
     return found
 
 
