@@ -82,6 +82,12 @@ def _add_media_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-image-pixels", type=_positive, default=_env("MAX_IMAGE_PIXELS", d.max_image_pixels, _positive))
     p.add_argument("--media-fetch-timeout-s", type=_positive_float,
                    default=_env("MEDIA_FETCH_TIMEOUT_S", d.fetch_timeout_s, _positive_float))
+    p.add_argument("--max-decoded-image-bytes", type=_positive,
+                   default=_env("MAX_DECODED_IMAGE_BYTES", d.max_decoded_bytes_per_request, _positive),
+                   help="a request's images decoded (width x height x 3 bytes each), counted before decoding (413)")
+    p.add_argument("--max-decoded-image-bytes-total", type=_positive,
+                   default=_env("MAX_DECODED_IMAGE_BYTES_TOTAL", d.max_decoded_bytes_total, _positive),
+                   help="all requests' images decoded at once; a request that does not fit beside the others waits")
 
 
 def _media_config(args: argparse.Namespace) -> MediaConfig:
@@ -93,6 +99,8 @@ def _media_config(args: argparse.Namespace) -> MediaConfig:
         max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels,
         fetch_timeout_s=args.media_fetch_timeout_s,
+        max_decoded_bytes_per_request=args.max_decoded_image_bytes,
+        max_decoded_bytes_total=args.max_decoded_image_bytes_total,
     )
 
 

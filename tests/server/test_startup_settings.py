@@ -138,3 +138,11 @@ def test_zero_is_kept_where_it_means_something_and_negatives_are_refused(flag, d
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(["serve", flag, "-1"])
     assert exited.value.code == 2 and f"argument {flag}: must be >= 0" in capsys.readouterr().err
+
+
+def test_the_decoded_image_budgets_are_flags():
+    from loraplex.cli import _media_config, build_parser
+
+    args = build_parser().parse_args(["serve", "--max-decoded-image-bytes", "1000", "--max-decoded-image-bytes-total", "5000"])
+    config = _media_config(args)
+    assert (config.max_decoded_bytes_per_request, config.max_decoded_bytes_total) == (1000, 5000)
