@@ -32,6 +32,7 @@ from loraplex.protocol.native import (
 from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.multimodal import split_markdown_images
 from loraplex.protocol.errors import Unsupported
+from loraplex.server.admission import sequences_per_request
 from loraplex.server.docs import EVENTS, JSON_OR_EVENTS
 from loraplex.server.errors import NATIVE_GENERATE_ERRORS, BadRequest, documented_errors, native_error
 from loraplex.server.grammars import compile_grammars
@@ -75,6 +76,13 @@ async def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
     best_of = p.best_of or 1
     if best_of > limits.max_best_of:
         raise BadRequest(f"best_of must be <= {limits.max_best_of} (max best of); got {best_of}")
+    share = sequences_per_request(limits.max_concurrent_requests)
+    if best_of > share:  # each sequence takes a seat: one request may not take every seat (issue 58)
+        raise BadRequest(
+            f"best_of must be <= {share} (sequences per request: a quarter of max concurrent requests "
+            f"{limits.max_concurrent_requests}, so that one request leaves seats for the others); got {best_of}",
+            "best_of",
+        )
     if best_of > 1 and not (p.do_sample or p.temperature or p.top_k or p.top_p or p.typical_p):
         raise BadRequest("best_of > 1 needs sampling: set do_sample or a sampling parameter")
     if best_of > 1 and p.seed is not None:
@@ -150,9 +158,20 @@ async def generate_json(state: ServerState, body: GenerateRequest) -> JSONRespon
     started = time.perf_counter()
     prepared = await prepare(state, body)
     best_of = body.parameters.best_of or 1
-    runs = await asyncio.gather(
-        *(run_to_end(state, prepared.prompt_ids, prepared.params, prepared.adapter, prepared.images) for _ in range(best_of))
-    )
+    # The best_of sequences admitted at once (a seat each, all or none); each run gives its seat back as it ends.
+    seats = state.admit_all([(len(prepared.prompt_ids), prepared.params.max_new_tokens)] * best_of)
+    tasks = [
+        asyncio.ensure_future(run_to_end(state, prepared.prompt_ids, prepared.params, prepared.adapter,
+                                         prepared.images, seat))
+        for seat in seats
+    ]
+    try:
+        runs = await asyncio.gather(*tasks)
+    finally:  # one failed (or the client went away): none runs on, and no seat stays taken
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        state.release_all(seats)
     best = max(runs, key=lambda r: r.logprob_sum)
     final = best.final
     details = None

@@ -46,6 +46,7 @@ from loraplex.server.docs import JSON_OR_EVENTS
 from loraplex.server.errors import OPENAI_GENERATE_ERRORS, BadRequest, ModelNotFound, documented_errors
 from loraplex.server.grammars import compile_grammars
 from loraplex.server.images import check_takes_images, encode_prompt
+from loraplex.server.admission import Seat, sequences_per_request
 from loraplex.server.counted_route import CountedRoute
 from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences, check_token_ids
 from loraplex.server.request_log import note_adapter
@@ -153,13 +154,26 @@ def refusing(method: Callable[[], T]) -> T:
         raise BadRequest(str(exc), exc.param) from exc
 
 
-def fan_out(state: ServerState, params: SamplingParams, count: int, prompts: int) -> list[SamplingParams]:
+def check_share(state: ServerState, n: int, runs: int, prompts: int) -> None:
+    """A request makes `runs` sequences per prompt (n, or best_of when larger), each taking a seat of
+    --max-concurrent-requests: more than one request's share (`sequences_per_request`) is refused at once, 400
+    naming the field, so that one request cannot take every seat (issue 58)."""
+    limit = state.config.max_concurrent_requests
+    share = sequences_per_request(limit)
+    if runs * prompts <= share:
+        return
+    param = "best_of" if runs > n else "n" if runs > 1 else "prompt"
+    what = "the number of prompts" if param == "prompt" else param
+    if param != "prompt" and prompts > 1:
+        what += " times the number of prompts"
+    raise BadRequest(
+        f"{what} must be <= {share} (sequences per request: a quarter of max concurrent requests {limit}, "
+        f"so that one request leaves seats for the others); got {runs * prompts}", param,
+    )
+
+
+def fan_out(params: SamplingParams, count: int) -> list[SamplingParams]:
     """`count` runs of one prompt; with a seed, run i gets seed + i so that the choices differ."""
-    if count * prompts > state.config.max_concurrent_requests:
-        raise BadRequest(
-            f"n (times the number of prompts) must be <= {state.config.max_concurrent_requests} "
-            f"(max concurrent requests); got {count * prompts}", "n",
-        )
     if params.seed is None:
         return [params] * count
     return [replace(params, seed=(params.seed + i) % 2**64) for i in range(count)]
@@ -173,6 +187,7 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> lis
     n, runs = body.choices_per_prompt, body.best_of or body.choices_per_prompt
     if runs > max(n, state.config.max_best_of):
         raise BadRequest(f"best_of > n must be <= {state.config.max_best_of} (max best of); got {runs}", "best_of")
+    check_share(state, n, runs, len(prompts))
     wants_prompt_logprobs = bool(body.echo) and body.logprobs is not None
     if wants_prompt_logprobs and state.model.is_encoder_decoder:
         raise BadRequest(
@@ -192,7 +207,7 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> lis
                 raise BadRequest(f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
             ids, text = list(prompt), tokenizer.decode(prompt, skip_special_tokens=False)
         check_prompt_and_budget(state, ids, max_tokens, "prompt", "max_tokens")
-        for k, sp in enumerate(fan_out(state, params, runs, len(prompts))):
+        for k, sp in enumerate(fan_out(params, runs)):
             jobs.append(Job(p * runs + k, p, ids, sp, text if body.echo else ""))
     await compile_grammars(state, [body.output_constraint()])
     return jobs
@@ -207,6 +222,7 @@ def default_max_tokens(state: ServerState, api_default: int) -> int:
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[Job], ToolAnswers]:
     """The request's jobs, and how to read their answers (text, or tool calls)."""
     refusing(body.check)
+    check_share(state, body.choices_per_prompt, body.choices_per_prompt, 1)
     plan = refusing(body.tool_plan)
     messages = refusing(body.template_messages)
     urls: list[str] = []
@@ -225,7 +241,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
     params = sampling_params(state, body, max_tokens, top_n)
     # Every tool's schema is compiled too, whatever the choice: a tool that could never be constrained is refused.
     await compile_grammars(state, [body.output_constraint(), *plan.schemas()])
-    jobs = [Job(k, 0, ids, sp, images=images) for k, sp in enumerate(fan_out(state, params, body.choices_per_prompt, 1))]
+    jobs = [Job(k, 0, ids, sp, images=images) for k, sp in enumerate(fan_out(params, body.choices_per_prompt))]
     return jobs, ToolAnswers.of(state, plan)
 
 
@@ -243,16 +259,29 @@ async def _all_or_none(coros: list) -> list:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def admit_jobs(state: ServerState, jobs: list[Job]) -> list[Seat]:
+    """A seat for every job (sequence) of the request at once, or Overloaded (429): all of them or none."""
+    return state.admit_all([(len(job.prompt_ids), job.params.max_new_tokens) for job in jobs])
+
+
 async def run_all(state: ServerState, jobs: list[Job], adapter: LoraAdapter | None) -> list[Finished]:
-    return await _all_or_none([run_to_end(state, job.prompt_ids, job.params, adapter, job.images) for job in jobs])
+    seats = admit_jobs(state, jobs)
+    try:
+        return await _all_or_none([
+            run_to_end(state, job.prompt_ids, job.params, adapter, job.images, seat) for job, seat in zip(jobs, seats)
+        ])
+    finally:  # each run gives its seat back as it ends; these are the runs cancelled before they began
+        state.release_all(seats)
 
 
 Started = list[tuple[AsyncIterator[RequestOutput], RequestOutput]]
 
 
 async def start_all(state: ServerState, jobs: list[Job], adapter: LoraAdapter | None = None) -> Started:
-    """Every job's first output, so that refusals come back as plain errors; on failure none stays open."""
-    streams = [state.generate(job.prompt_ids, job.params, adapter, job.images) for job in jobs]
+    """Every job's first output, so that refusals come back as plain errors; on failure none stays open (nor any
+    of the request's seats). Each stream gives its seat back as it ends."""
+    seats = admit_jobs(state, jobs)
+    streams = [state.generate(job.prompt_ids, job.params, adapter, job.images, seat) for job, seat in zip(jobs, seats)]
 
     async def first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         return await anext(stream)
@@ -262,6 +291,7 @@ async def start_all(state: ServerState, jobs: list[Job], adapter: LoraAdapter | 
     except BaseException:
         for s in streams:
             await s.aclose()
+        state.release_all(seats)
         raise
 
 

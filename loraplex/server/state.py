@@ -85,9 +85,19 @@ class ServerState:
         return self.admission.in_flight
 
     def admit(self, prompt_tokens: int, max_new_tokens: int) -> Seat:
-        """Reserve a seat for one request, or raise Overloaded (with its Retry-After) at once."""
+        """Reserve a seat for one sequence, or raise Overloaded (with its Retry-After) at once."""
         return self.admission.admit(prompt_tokens, max_new_tokens, self.config.max_concurrent_requests,
                                     self.config.max_queued_tokens)
+
+    def admit_all(self, sequences: list[tuple[int, int]]) -> list[Seat]:
+        """Seats for all of one request's sequences ((prompt tokens, max_new_tokens) each) at once, or Overloaded.
+        Each goes to `generate(seat=...)`, which gives it back when its stream ends; a caller whose streams may
+        not all start gives every seat back itself (`release_all`: a seat is given back once)."""
+        return self.admission.admit_all(sequences, self.config.max_concurrent_requests, self.config.max_queued_tokens)
+
+    def release_all(self, seats: list[Seat]) -> None:
+        for seat in seats:
+            self.admission.release(seat)
 
     async def adapter(
         self, adapter_id: str | None, source: str | None = None, merged: MergeSpec | None = None,
@@ -112,15 +122,17 @@ class ServerState:
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, adapter: LoraAdapter | None = None,
-        images: ImageInputs | None = None,
+        images: ImageInputs | None = None, seat: Seat | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs (with `adapter`, or the base model).
+        """Stream one sequence's outputs (with `adapter`, or the base model), in `seat` (`admit_all`'s) or in a
+        seat of its own.
 
         Before the first output it raises Overloaded (over an admission limit) or RequestRefused (the engine
         cannot take it); later, GenerationFailed when the engine fails mid-way. Closing the iterator
         aborts the request and frees its slot.
         """
-        seat = self.admit(len(prompt_ids), params.max_new_tokens)
+        if seat is None:
+            seat = self.admit(len(prompt_ids), params.max_new_tokens)
         request_id = uuid.uuid4().hex
         label = adapter.adapter_id if adapter is not None else BASE_ADAPTER
         self.metrics.on_request(len(prompt_ids), label)
@@ -148,11 +160,11 @@ class ServerState:
 
 async def run_to_end(
     state: ServerState, prompt_ids: list[int], params: SamplingParams, adapter: LoraAdapter | None = None,
-    images: ImageInputs | None = None,
+    images: ImageInputs | None = None, seat: Seat | None = None,
 ) -> Finished:
     tokens: list[TokenInfo] = []
     final = None
-    async for final in state.generate(prompt_ids, params, adapter, images):
+    async for final in state.generate(prompt_ids, params, adapter, images, seat):
         if final.token is not None:
             tokens.append(final.token)
     assert final is not None and final.finished

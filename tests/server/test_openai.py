@@ -15,18 +15,22 @@ from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.requests.output import RequestOutput
 from loraplex.engine.requests.request import RequestRefused
 from loraplex.params import FinishReason, SamplingParams, TokenInfo
+from loraplex.server.admission import Admission
 from loraplex.server.app import create_app
 from loraplex.server.openai_routes import Job, Renderer, start_all, stream_events
 from loraplex.server.state import GenerationFailed
-from tests.helpers import metric_value
+from tests.helpers import live_server, metric_value
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 HELLO = [{"role": "user", "content": "Say hello."}]
 
 
 @pytest.fixture(scope="module")
-def server(api_server):
-    return api_server
+def server():
+    # 16 seats: a request may make a quarter of them (server/admission.py sequences_per_request), and the tests
+    # here ask for 4 (2 prompts x n=2); the shared api_server's 4 seats would allow 1.
+    with live_server("--max-batch-total-tokens", "8192", "--max-concurrent-requests", "16") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -256,8 +260,16 @@ class FakeState:
         self.length, self.fail_at, self.refuse = length, fail_at or {}, refuse
         self.opened = 0
         self.closed: set[int] = set()
+        self.admission = Admission()  # the request's seats, as ServerState keeps them
 
-    async def generate(self, prompt_ids, params, adapter=None, images=None):
+    def admit_all(self, sequences):
+        return self.admission.admit_all(sequences, 8, None)
+
+    def release_all(self, seats):
+        for seat in seats:
+            self.admission.release(seat)
+
+    async def generate(self, prompt_ids, params, adapter=None, images=None, seat=None):
         number, self.opened = self.opened, self.opened + 1
         try:
             if number == self.refuse:
@@ -279,6 +291,7 @@ class FakeState:
                 await asyncio.sleep(0)  # let the other streams run, as the engine's queue would
         finally:
             self.closed.add(number)
+            self.admission.release(seat)
 
 
 def _jobs(n: int) -> list[Job]:
@@ -315,7 +328,7 @@ def test_merged_streams_finish_each_choice_then_usage():
 def test_disconnect_closes_all_n_streams():
     state = FakeState()
     asyncio.run(_collect(state, n=3, take=5))
-    assert state.opened == 3 and state.closed == {0, 1, 2}
+    assert state.opened == 3 and state.closed == {0, 1, 2} and state.admission.in_flight == 0
 
 
 def test_error_mid_stream_is_an_error_event_and_closes_the_rest():
@@ -331,7 +344,7 @@ def test_a_refused_choice_refuses_the_request_and_closes_the_others():
     state = FakeState(refuse=2)
     with pytest.raises(RequestRefused):
         asyncio.run(_collect(state, n=3))
-    assert state.closed == {0, 1, 2}
+    assert state.closed == {0, 1, 2} and state.admission.in_flight == 0  # no seat stays taken
 
 
 # ---- an engine failure in the middle of an n=2 stream, in-process -------------------------------

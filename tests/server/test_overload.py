@@ -116,10 +116,14 @@ def assert_overloaded(response: httpx.Response, openai: bool, reason: str) -> in
     return retry_after
 
 
+# 8 seats: a request's share (a quarter, server/admission.py sequences_per_request) is 2, so n=2 is admissible.
+APP_MAX_CONCURRENT = 8
+
+
 @pytest.fixture
 def app(make_engine):
     engine = AsyncEngine(make_engine(max_batch_total_tokens=1024))
-    yield create_app(engine, ServerConfig(max_concurrent_requests=MAX_CONCURRENT, max_queued_tokens=MAX_QUEUED))
+    yield create_app(engine, ServerConfig(max_concurrent_requests=APP_MAX_CONCURRENT, max_queued_tokens=MAX_QUEUED))
     engine.shutdown()
 
 
@@ -128,9 +132,9 @@ def test_every_generating_route_answers_429_with_retry_after(app, full):
     admission = app.state.loraplex.admission
     # The server's load, set directly: the requests below are refused before they reach the engine.
     if full == "max concurrent requests":
-        seats = [admission.admit(1, 1, MAX_CONCURRENT, None) for _ in range(MAX_CONCURRENT)]
+        seats = [admission.admit(1, 1, APP_MAX_CONCURRENT, None) for _ in range(APP_MAX_CONCURRENT)]
     else:
-        seats = [admission.admit(10, MAX_QUEUED - 10, MAX_CONCURRENT, None)]
+        seats = [admission.admit(10, MAX_QUEUED - 10, APP_MAX_CONCURRENT, None)]
 
     async def main():
         transport = httpx.ASGITransport(app=app)
