@@ -147,6 +147,9 @@ class ServerConfig:
     max_content_parts: int = setting(4096, type=_positive, help="content parts (text, images) of one request's messages")
     max_tools: int = setting(512, type=_positive, help="tool definitions in one chat request")
     max_stop_token_ids: int = setting(1024, type=_positive, help="stop_token_ids of one request")
+    max_logit_bias: int = setting(1024, type=_positive, help="logit_bias entries of one request")
+    max_bad_words: int = setting(128, type=_positive, help="bad_words of one request")
+    max_allowed_token_ids: int = setting(262144, type=_positive, help="allowed_token_ids of one request")
     max_best_of: int = setting(2, type=_positive)
     json_output: bool = setting(False, action="store_true")
     default_max_new_tokens: int = 20  # when a request names none

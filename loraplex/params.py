@@ -36,6 +36,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     top_n_tokens: int = 0  # alternatives reported per generated token
+    # The next token's restrictions (engine/sampling/constraints.py): (token id, bias) added to its logit; only these
+    # ids (empty: any); token sequences never completed; at least `min_tokens` generated before any of
+    # `min_tokens_stops` (the engine fills in the model's EOS ids and the stop token ids) or a stop string ends it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    min_tokens: int = 0
+    min_tokens_stops: tuple[int, ...] = ()
     prompt_logprobs: bool = False
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: tokens outside it are never sampled

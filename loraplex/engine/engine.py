@@ -114,11 +114,12 @@ class Engine:
         grammars = GrammarCache(self.tokenizer, mc, config, on_first=masks)
         limits = InputLimits(self.model_id, config.max_input_length, self.max_total_tokens, self.is_encoder_decoder,
                              self.runner.takes_images)
+        self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_total_tokens)
         self.inputs = InputProcessor(
             mc, config, self.scheduler, limits=limits, lora_modules=self.lora.layers, grammars=grammars,
             states_per_tile=self.runner.model.states_per_tile if mc.mllama is not None else None,
+            eos_token_ids=tuple(self.outputs.eos_token_ids),
         )
-        self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_total_tokens)
         self._next_id = 0
         self.spec_decode = SpecDecodeCounters()
         overlap = config.overlap_steps

@@ -57,7 +57,8 @@ class SamplingFields(RequestModel):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None  # refused when not empty
+    # token id (as a string, as OpenAI's) -> a bias in [-100, 100] added to its logit before sampling, greedy too
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None  # accepted, ignored
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -67,6 +68,11 @@ class SamplingFields(RequestModel):
     repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # vLLM's: at least this many tokens before EOS, a stop token id or a stop string may end the answer; only these
+    # token ids may be generated; these words (each tokenized as is and after a space) are never completed.
+    min_tokens: int = Field(default=0, ge=0)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     # LoRAX's extras: the adapter (instead of, or the same as, `model`) and where it comes from.
     adapter_id: str | None = None
@@ -101,9 +107,17 @@ class SamplingFields(RequestModel):
 
     def check(self) -> None:
         """Refuse, by name, what the schema accepts but the server cannot serve yet."""
-        if self.logit_bias:
-            raise Unsupported("logit_bias is not supported yet", "logit_bias")
+        for key in self.logit_bias or {}:
+            if not key.lstrip("-").isdigit():
+                raise Unsupported(f"logit_bias keys must be token ids; got {key[:40]!r}", "logit_bias")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise Unsupported("allowed_token_ids must not be empty (leave it out to allow every token)",
+                              "allowed_token_ids")
         self.output_constraint()
+
+    def token_bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs (`check` made sure the keys are integers)."""
+        return tuple((int(key), bias) for key, bias in (self.logit_bias or {}).items())
 
     def output_constraints(self) -> list[Constraint]:
         """Every constraint on the answer the request asks for, named by its field."""
@@ -133,6 +147,8 @@ class SamplingFields(RequestModel):
             presence_penalty=self.presence_penalty or 0.0, ignore_eos=self.ignore_eos, top_n_tokens=top_n,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             grammar=constraint[1] if (constraint := self.output_constraint()) else None, cache_salt=self.cache_salt,
+            logit_bias=self.token_bias(), allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
+            min_tokens=self.min_tokens,
         )
         temperature = 1.0 if self.temperature is None else self.temperature
         if temperature < SAMPLING_EPS:

@@ -3,7 +3,8 @@
 FastAPI parses a JSON body and validates it on the event loop, and the validation of a list costs per element: one
 request of a million chat messages held every other client (`/health` too) for seconds. `CountedRoute` (the route
 class of the native and OpenAI routers) parses the body on a worker thread and counts the lists its route takes
-(`COUNTED`: messages, their content parts, tools, stop sequences and token ids, prompts) against their settings
+(`COUNTED`: messages, their content parts, tools, stop sequences and token ids, logit biases, bad words,
+allowed token ids, prompts) against their settings
 (server/limits.py `check_count`); a list over its limit is refused (400 OpenAI / 422 native, naming the field and
 the flag) before the validation sees it. A body that is not JSON is left to FastAPI, which answers as it always has.
 """
@@ -64,6 +65,9 @@ def _prompts(body: dict) -> int:
 _SAMPLING: list[Count] = [
     ("stop", _stops, "max_stop_sequences"),
     ("stop_token_ids", lambda b: _length(b.get("stop_token_ids")), "max_stop_token_ids"),
+    ("logit_bias", lambda b: _length(b.get("logit_bias")), "max_logit_bias"),
+    ("bad_words", lambda b: _length(b.get("bad_words")), "max_bad_words"),
+    ("allowed_token_ids", lambda b: _length(b.get("allowed_token_ids")), "max_allowed_token_ids"),
 ]
 _NATIVE: list[Count] = [
     ("parameters.stop", lambda b: _length((b.get("parameters") or {}).get("stop")), "max_stop_sequences"),

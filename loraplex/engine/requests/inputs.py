@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from loraplex.config import EngineConfig
 from loraplex.models.config import ModelConfig
@@ -154,9 +154,11 @@ class InputProcessor:
     def __init__(
         self, model_config: ModelConfig, config: EngineConfig, scheduler: Scheduler, *, limits: InputLimits,
         states_per_tile: int | None, lora_modules: Collection[str], grammars: GrammarCache,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model_config, self.config, self.scheduler, self.limits = model_config, config, scheduler, limits
         self.states_per_tile, self.lora_modules, self.grammars = states_per_tile, lora_modules, grammars
+        self.eos_token_ids = eos_token_ids  # what min_tokens holds back, besides a request's stop token ids
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -229,6 +231,9 @@ class InputProcessor:
         if num_states:
             self._check_states_fit(num_states, len(prompt_ids), params)
         self.limits.check_sequence(num_prompt_tokens, params.max_new_tokens)
+        if params.min_tokens and not params.min_tokens_stops:  # the tokens that would end it early
+            eos = () if params.ignore_eos else self.eos_token_ids
+            params = replace(params, min_tokens_stops=tuple(sorted({*eos, *params.stop_token_ids})))
         grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         if adapter is not None:
             self.check_adapter(adapter)

@@ -116,7 +116,7 @@ class OutputProcessor:
             return FinishReason.EOS_TOKEN
         if request.grammar is not None and request.grammar.is_stopped():  # complete, its end token taken
             return FinishReason.EOS_TOKEN
-        if params.stop and stream.detokenizer is not None:
+        if params.stop and stream.detokenizer is not None and len(request.output_ids) >= params.min_tokens:
             stop_at = find_stop(stream.detokenizer.text, len(piece), params.stop)
             if stop_at is not None:
                 stream.text_end = stop_at

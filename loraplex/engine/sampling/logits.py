@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.engine.sampling.constraints import constrains
 from loraplex.engine.sampling.grammar_masks import PendingMasks, apply_grammar_masks
 from loraplex.engine.scheduling.scheduler import ScheduledRequest
 from loraplex.engine.sampling.verification import SampledToken, sample_verified
@@ -72,7 +73,7 @@ def plain_argmax(requests: list, forced: ForcedTokens) -> bool:
 
 def _takes_plain_argmax(params: SamplingParams) -> bool:
     return (params.greedy and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0 and params.top_n_tokens == 0)
+            and params.presence_penalty == 0.0 and params.top_n_tokens == 0 and not constrains(params))
 
 
 def greedy_picks(logits: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Pipeline per row, in the order Hugging Face transformers applies it:
 
-    repetition penalty (prompt + generated ids) -> frequency / presence penalties (generated ids)
+    logit bias and the request's masks (constraints.py) -> repetition penalty (prompt + generated ids)
+    -> frequency / presence penalties (generated ids)
     -> temperature -> [reported logprobs taken here] -> top_k -> top_p -> min_p -> typical_p -> draw
 
 Greedy rows take the argmax after the penalties. A sampled row's draw is a pure function of its own
@@ -29,6 +30,7 @@ from itertools import chain
 
 import torch
 
+from loraplex.engine.sampling.constraints import apply_constraints
 from loraplex.params import SamplingParams
 
 # top_p / typical_p first look for the cut-off among a row's best few tokens (a cheap topk) and only
@@ -74,7 +76,8 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=[], top_tokens=[])
         device = logits.device
 
-        x = _apply_penalties(logits.float(), logits, params, prompt_ids, output_ids)
+        x = apply_constraints(logits.float(), logits, params, prompt_ids, output_ids)
+        x = _apply_penalties(x, logits, params, prompt_ids, output_ids)
         temps = [p.temperature for p in params]
         if any(t != 1.0 for t in temps):
             x = x / torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1)
