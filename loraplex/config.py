@@ -186,9 +186,10 @@ class ServerConfig:
         64, type=_non_negative,
         help="loaded adapters kept in host memory besides the preloaded ones (LRU; 0: each is read again when a "
              "request next needs it)")
-    adapter_load_threads: int = setting(
-        4, type=_positive,
-        help="adapters read, checked and laid out at once, beside the engine (in arrival order; the others queue)")
+    adapter_load_threads: int | None = setting(
+        type=_positive,
+        help="adapters read, checked and laid out at once, beside the engine, in arrival order (the others queue; "
+             "default: half the CPU cores, 2 to 8)")
     # Adapters served under names the operator chose (lora/sources/named.py), at start-up or at run time.
     lora_modules: tuple[str, ...] = setting(
         (), nargs="+",

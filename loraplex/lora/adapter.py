@@ -424,8 +424,8 @@ def adapter_from_tensors(
     base_weight: BaseWeight | None = None, checkpoint_name: CheckpointName | None = None,
     form: FlatFormat | None = None,
 ) -> LoraAdapter:
-    """Check PEFT-named tensors against the config and the base model; build the adapter (CPU; checked in float32,
-    kept in `form`: float32 by default).
+    """Check PEFT-named tensors against the config and the base model; build the adapter (CPU; checked and kept in
+    `form`'s dtype: float32 by default).
 
     `checkpoint_name` (families whose checkpoints come in several layouts, e.g. LLaVA-NeXT saved by
     transformers 4) maps a base-model tensor name to the model's own: an adapter trained on the other
@@ -435,9 +435,10 @@ def adapter_from_tensors(
     for key, module in layout.base_copies.items():
         _check_base_copy(key, module, tensors[key], base_weight)
     modules: dict[str, LoraWeights] = {}
+    dtype = form.dtype if form is not None else torch.float32  # a file in the slots' dtype is not converted twice
     for module, (saved, a, b) in layout.modules.items():
         a_index, b_index = layout.pieces.get(module, ((), ()))
-        weights = LoraWeights(tensors[a][a_index].float().contiguous(), tensors[b][b_index].float().contiguous(),
+        weights = LoraWeights(tensors[a][a_index].to(dtype).contiguous(), tensors[b][b_index].to(dtype).contiguous(),
                               config.scale(saved))
         check_weights(_PREFIX + module, weights)
         modules[module] = weights

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -83,13 +84,19 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     return app
 
 
+def default_load_threads() -> int:
+    """Adapter loads at once when --adapter-load-threads is not given: half the CPU cores, 2 to 8 (the other half
+    for the engine, the event loop and the validation workers)."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
+
+
 def adapter_store(targets: AdapterTargets, config: ServerConfig) -> AdapterStore:
     """The store for the server's adapters, with `--preloaded-adapter-ids` loaded (a failure stops the start)."""
     store = AdapterStore(
         targets.base_shapes, targets.max_rank, config.adapter_roots, config.adapter_source,
         config.max_cpu_adapters, base_weight=targets.base_weight,
         checkpoint_name=targets.checkpoint_name, access_ttl_s=config.adapter_access_ttl_s,
-        loader_threads=config.adapter_load_threads, flat_format=targets.flat_format,
+        loader_threads=config.adapter_load_threads or default_load_threads(), flat_format=targets.flat_format,
     )
     store.preload(config.preloaded_adapter_ids)
     for entry in config.lora_modules:  # the operator's: any local directory, held for as long as the server runs

@@ -135,3 +135,8 @@ def test_the_server_store_takes_the_load_threads_and_the_engines_format():
         assert store._pool._max_workers == 3 and store.flat_format == FlatFormat(torch.bfloat16)
     finally:
         store.close()
+    store = adapter_store(targets, ServerConfig())  # the default: half the cores, 2 to 8
+    try:
+        assert store._pool._max_workers == max(2, min(8, (os.cpu_count() or 2) // 2))
+    finally:
+        store.close()
