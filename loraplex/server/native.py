@@ -46,6 +46,24 @@ router = APIRouter(route_class=CountedRoute)  # bodies parsed and counted off th
 ERRORS = documented_errors(False, *NATIVE_GENERATE_ERRORS)
 
 
+@dataclass(frozen=True)
+class Shown:
+    """How many alternatives each field shows per generated token (the engine reports the larger count)."""
+
+    alternatives: int = 0  # LoRAX's return_k_alternatives: each token's alternative_tokens
+    top_tokens: int = 0  # TGI's top_n_tokens: details.top_tokens, a stream event's top_tokens
+
+    @classmethod
+    def asked(cls, body: GenerateRequest) -> "Shown":
+        return cls(body.parameters.return_k_alternatives or 0, body.parameters.top_n_tokens or 0)
+
+    def tokens(self, infos) -> list[Token]:
+        return [Token.of(t, self.alternatives) for t in infos]
+
+    def top(self, infos) -> list[list[Token]] | None:
+        return [Token.top(t, self.top_tokens) for t in infos] if self.top_tokens else None
+
+
 @dataclass
 class Prepared:
     prompt_ids: list[int]
@@ -69,7 +87,7 @@ async def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
     if p.adapter_id and p.merged_adapters:
         raise BadRequest("give adapter_id or merged_adapters, not both", "merged_adapters")
     try:
-        grammar = p.output_grammar()
+        constraint = p.output_constraint()
     except Unsupported as exc:
         raise BadRequest(str(exc), exc.param) from exc
     check_stop_sequences(state, len(p.stop))
@@ -105,7 +123,7 @@ async def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
     max_new = p.max_new_tokens or limits.default_max_new_tokens
     check_prompt_and_budget(state, prompt_ids, max_new, "inputs", "max_new_tokens")
     prefix = body.inputs if p.return_full_text else ""
-    await compile_grammars(state, [("parameters.response_format", grammar) if grammar else None])
+    await compile_grammars(state, [constraint])
     params = p.to_sampling_params(max_new)
     adapter_id = p.adapter_id or (state.config.default_adapter_id if not p.merged_adapters else None)
     adapter = await state.adapter(adapter_id, p.adapter_source, merge_spec(p.merged_adapters), p.api_token)
@@ -177,19 +195,21 @@ async def generate_json(state: ServerState, body: GenerateRequest) -> JSONRespon
     details = None
     if body.parameters.details:
         asked_prefill = body.parameters.decoder_input_details
-        prefill = [Token.of(t) for t in final.prompt_tokens or []]
+        shown = Shown.asked(body)
+        prefill = [Token.of(t) for t in final.prompt_tokens or []]  # as TGI: prompt tokens have no top tokens
         others = [
             BestOfSequence(
                 generated_text=prepared.prefix + r.final.generated_text, finish_reason=r.final.finish_reason.value,
                 generated_tokens=r.final.num_generated_tokens, seed=sampled_seed(prepared.params, r.final.seed),
-                prefill=prefill, tokens=[Token.of(t) for t in r.tokens],
+                prefill=prefill, tokens=shown.tokens(r.tokens), top_tokens=shown.top(r.tokens),
             )
             for r in runs if r is not best
         ]
         details = Details(
             finish_reason=final.finish_reason.value, prompt_tokens=final.num_prompt_tokens,
             generated_tokens=final.num_generated_tokens, seed=sampled_seed(prepared.params, final.seed),
-            prefill=prefill, tokens=[Token.of(t) for t in best.tokens], best_of_sequences=others or None,
+            prefill=prefill, tokens=shown.tokens(best.tokens), top_tokens=shown.top(best.tokens),
+            best_of_sequences=others or None,
             prefill_note=ENCODER_PREFILL_NOTE if asked_prefill and state.model.is_encoder_decoder else None,
         )
     response = GenerateResponse(generated_text=prepared.prefix + final.generated_text, details=details)
@@ -202,12 +222,14 @@ async def generate_sse(state: ServerState, body: GenerateRequest):
     prepared = await prepare(state, body)
     outputs = state.generate(prepared.prompt_ids, prepared.params, prepared.adapter, prepared.images)
     first = await anext(outputs)  # refusals surface here, before any byte, as a plain error response
+    shown = Shown.asked(body)
 
     async def events() -> AsyncIterator[str]:
         out = first
         try:
             while True:
-                event = StreamResponse(token=Token.of(out.token))
+                event = StreamResponse(token=Token.of(out.token, shown.alternatives),
+                                       top_tokens=Token.top(out.token, shown.top_tokens) if shown.top_tokens else None)
                 if out.finished:
                     event.generated_text = prepared.prefix + out.generated_text
                     event.details = StreamDetails(
@@ -229,7 +251,7 @@ async def generate_sse(state: ServerState, body: GenerateRequest):
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
-_OPTIONAL = ("details", "best_of_sequences", "alternative_tokens", "generated_text")
+_OPTIONAL = ("details", "best_of_sequences", "alternative_tokens", "top_tokens", "generated_text")
 
 
 def _prune(value, keep: tuple[str, ...] = ()):

@@ -55,7 +55,7 @@ def test_every_generate_parameter(client):
     kwargs = dict(
         do_sample=True, max_new_tokens=6, ignore_eos_token=True, repetition_penalty=1.1,
         return_full_text=True, seed=7, stop_sequences=["zzzz"], temperature=0.7, top_k=20, top_p=0.9, truncate=64,
-        typical_p=0.95, watermark=True, decoder_input_details=True, return_k_alternatives=2, details=True,
+        typical_p=0.95, watermark=False, decoder_input_details=True, return_k_alternatives=2, details=True,
     )
     prompt = "Once upon a time"
     first = client.generate(prompt, **kwargs)
@@ -69,6 +69,9 @@ def test_every_generate_parameter(client):
     stream_kwargs = {k: v for k, v in kwargs.items() if k not in unstreamed}
     events = list(client.generate_stream(prompt, **stream_kwargs))
     assert len(events) == 6 and events[-1].details.generated_tokens == 6
+    # TGI's watermarking is not served: true is refused by name, never accepted and ignored
+    with pytest.raises(ValidationError, match="watermark"):
+        client.generate(prompt, **{**kwargs, "watermark": True})
 
 
 def test_response_format_through_the_client(client):
