@@ -9,10 +9,12 @@ import os
 import socket
 import sys
 
-from loraplex.config import EngineConfig, ServerConfig
+from loraplex.config import HELP_GROUPS, EngineConfig, ServerConfig
 from loraplex.multimodal.config import MediaConfig
 from loraplex.quantization import QUANTIZE_CHOICES, QuantizationError
-from loraplex.settings import _positive, _positive_float, _truthy, add_arguments, from_namespace
+from loraplex.settings import (
+    _positive, _positive_float, _truthy, add_arguments, add_groups, from_namespace, group_of,
+)
 
 
 _ENV_NAMES: set[str] = set()  # the environment variables flags read (listed by --help)
@@ -55,20 +57,24 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    """EngineConfig's flags (its fields' declarations), two that are no setting, and ServerConfig's adapter flags."""
-    add_arguments(p, EngineConfig, _env, stop="cuda_memory_fraction", choices={"quantize": QUANTIZE_CHOICES})
-    p.add_argument("--huggingface-hub-cache", default=_env("HUGGINGFACE_HUB_CACHE"),
-                   help="the Hugging Face hub cache models and adapters are read from and downloaded to "
-                        "(default: HF_HUB_CACHE, else HF_HOME/hub)")
-    p.add_argument("--trust-remote-code", action="store_true", default=_env("TRUST_REMOTE_CODE", False, _truthy),
-                   help="refused: loraplex runs its own implementation of each model family, never a checkpoint's code")
-    add_arguments(p, EngineConfig, _env, start="cuda_memory_fraction")
-    add_arguments(p, ServerConfig, _env, stop="max_concurrent_requests")  # adapter_source, adapter_roots
+    """EngineConfig's flags (its fields' declarations), two that are no setting, and ServerConfig's adapter flags,
+    each in its --help group (config.HELP_GROUPS; the parser has them: settings.add_groups)."""
+    add_arguments(p, EngineConfig, _env, choices={"quantize": QUANTIZE_CHOICES}, groups=HELP_GROUPS)
+    model = group_of(p, "model")
+    model.add_argument("--huggingface-hub-cache", default=_env("HUGGINGFACE_HUB_CACHE"),
+                       help="the Hugging Face hub cache models and adapters are read from and downloaded to "
+                            "(default: HF_HUB_CACHE, else HF_HOME/hub)")
+    model.add_argument("--trust-remote-code", action="store_true", default=_env("TRUST_REMOTE_CODE", False, _truthy),
+                       help="refused: loraplex runs its own implementation of each model family, never a checkpoint's "
+                            "code")
+    add_arguments(p, ServerConfig, _env, stop="max_concurrent_requests", groups=HELP_GROUPS)  # adapter_source, _roots
 
 
 def _add_media_args(p: argparse.ArgumentParser) -> None:
-    """Where images may come from (vLLM's flag names) and how large they may be. Data URLs always work."""
+    """Where images may come from (vLLM's flag names) and how large they may be, in --help's limits group. Data URLs
+    always work."""
     d = MediaConfig()
+    p = group_of(p, "limits")
     p.add_argument("--allowed-local-media-path", default=_env("ALLOWED_LOCAL_MEDIA_PATH"),
                    help="directory images may be read from (file:// URLs or paths); default: local files refused")
     p.add_argument("--allowed-media-domains", nargs="+", default=_env("ALLOWED_MEDIA_DOMAINS", None, lambda v: v.split(",")),
@@ -283,32 +289,46 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from loraplex import __version__
 
-    parser = _Parser(prog="loraplex", description="Multi-LoRA inference server.")
+    parser = _Parser(
+        prog="loraplex", description="Multi-LoRA inference server: one base model, many LoRA adapters per batch.",
+        epilog="Each command's flags: loraplex serve --help (by topic: model, adapters, scheduling and memory, "
+               "server, limits, observability), loraplex generate --help, loraplex bench --help.")
     parser.add_argument("--version", action="version", version=f"loraplex {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, title="commands")
 
-    serve = sub.add_parser("serve", help="start the HTTP server")
+    serve = sub.add_parser(
+        "serve", help="load a model and serve it and its LoRA adapters over HTTP (LoRAX/TGI and OpenAI APIs); "
+                      "its flags: loraplex serve --help",
+        usage="%(prog)s [-h] [FLAG ...]",  # not each of its 70-odd flags: they follow, by topic
+        description="Serve a model and its LoRA adapters over HTTP. The flags are grouped by topic; most may also "
+                    "come from the environment variable their help names.")
+    add_groups(serve, HELP_GROUPS)  # --help's topics, in order: each flag goes into one
     _add_engine_args(serve)
-    serve.add_argument("--hostname", default=_env("HOSTNAME_BIND", "127.0.0.1"))
-    serve.add_argument("--port", type=int, default=_env("PORT", 8080, int))
-    # ServerConfig's flags, with serve's two that are no setting where --help has always listed them.
-    add_arguments(serve, ServerConfig, _env, start="max_concurrent_requests", stop="request_timeout_s")
-    serve.add_argument("--shutdown-timeout-s", type=_positive_float, default=_env("SHUTDOWN_TIMEOUT_S", 30.0, _positive_float),
-                       help="after SIGTERM, how long requests in flight may go on; then each still running ends "
-                            "with an error event (a stream) or a 503, and the server exits 0")
-    add_arguments(serve, ServerConfig, _env, start="request_timeout_s", stop="cors_allow_origin")
-    serve.add_argument("--otlp-endpoint", default=_env("OTLP_ENDPOINT"),
-                       help="send a trace span per request to this OpenTelemetry collector, over OTLP/HTTP "
-                            "(e.g. http://collector:4318; needs the otlp extra)")
-    add_arguments(serve, ServerConfig, _env, start="cors_allow_origin")
+    server = group_of(serve, "server")
+    server.add_argument("--hostname", default=_env("HOSTNAME_BIND", "127.0.0.1"))
+    server.add_argument("--port", type=int, default=_env("PORT", 8080, int))
+    add_arguments(serve, ServerConfig, _env, start="max_concurrent_requests", groups=HELP_GROUPS)
+    server.add_argument("--shutdown-timeout-s", type=_positive_float,
+                        default=_env("SHUTDOWN_TIMEOUT_S", 30.0, _positive_float),
+                        help="after SIGTERM, how long requests in flight may go on; then each still running ends "
+                             "with an error event (a stream) or a 503, and the server exits 0")
+    group_of(serve, "observability").add_argument(
+        "--otlp-endpoint", default=_env("OTLP_ENDPOINT"),
+        help="send a trace span per request to this OpenTelemetry collector, over OTLP/HTTP "
+             "(e.g. http://collector:4318; needs the otlp extra)")
     _add_media_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    gen = sub.add_parser("generate", help="generate text for one prompt and print it")
+    gen = sub.add_parser(
+        "generate", help="load a model, generate text for one prompt (with an adapter if asked) and print it",
+        usage="%(prog)s [-h] prompt [FLAG ...]",
+        description="Generate text for one prompt and print it (no server). The engine's flags are serve's.")
     gen.add_argument("prompt")
+    add_groups(gen, HELP_GROUPS, only=("model", "adapters", "scheduling and memory", "limits"))
     _add_engine_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user message (chat template)")
-    add_arguments(gen, ServerConfig, _env, start="default_adapter_id", stop="allow_runtime_lora_updating")  # --adapter-id
+    add_arguments(gen, ServerConfig, _env, start="default_adapter_id", stop="allow_runtime_lora_updating",
+                  groups=HELP_GROUPS)  # --adapter-id
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float)
     gen.add_argument("--top-p", type=float)
@@ -317,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     # The benchmark parses its own options (benchmarks/offline.py): everything after "bench" goes to it.
-    bench = sub.add_parser("bench", help="offline throughput benchmark against transformers", add_help=False)
+    bench = sub.add_parser("bench", help="offline throughput benchmark against transformers; its options: "
+                                         "loraplex bench --help", add_help=False)
     bench.set_defaults(func=cmd_bench)
     for command in (serve, gen):
         _describe_defaults(command)

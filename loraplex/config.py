@@ -217,3 +217,31 @@ class ServerConfig:
         help="threads that tokenize prompts, render chat templates and build /tokenize's answers, off the event loop")
     # Images: where they may come from and how large they may be (vLLM's names; see multimodal/config.py).
     media: MediaConfig = field(default_factory=MediaConfig)
+
+
+# `serve --help`'s topics, in its order: each one's title, a line saying what it holds, and the settings listed under
+# it (in their declaration order). Every setting of EngineConfig and ServerConfig is named once here: building the
+# command line fails for one that is not (settings.add_arguments). cli.py adds its own flags to these topics too.
+HELP_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "model": ("the checkpoint served and how it loads", (
+        "model_id", "revision", "dtype", "device", "quantize", "chat_template")),
+    "adapters": ("LoRA adapters: where they come from, which are served from the start, how many the GPU and the "
+                 "host keep", (
+        "adapter_source", "adapter_roots", "max_active_adapters", "max_lora_rank", "adapter_cycle_time_s",
+        "preloaded_adapter_ids", "lora_modules", "default_adapter_id", "max_cpu_adapters", "adapter_load_threads",
+        "adapter_access_ttl_s", "allow_runtime_lora_updating")),
+    "scheduling and memory": ("sequence lengths, batches, the KV cache, GPU memory and how decode steps run", (
+        "max_input_length", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens",
+        "kv_cache_dtype", "prefix_caching", "cuda_graphs", "warm_up", "overlap_steps", "max_waiting_tokens",
+        "waiting_served_ratio", "speculative_tokens", "cuda_memory_fraction", "adapter_memory_fraction")),
+    "server": ("where it listens, who may call it, and how it answers and stops", (
+        "json_output", "default_max_tokens", "generation_config", "api_keys", "cors_allow_origin",
+        "served_model_name", "validation_workers")),
+    "limits": ("what one request may send or ask for (more is refused), how many run at once and for how long, "
+               "and where images may come from", (
+        "max_grammar_bytes", "grammar_compile_timeout_s", "max_concurrent_requests", "max_queued_tokens",
+        "max_stop_sequences", "max_messages", "max_content_parts", "max_tools", "max_stop_token_ids",
+        "max_logit_bias", "max_bad_words", "max_allowed_token_ids", "max_best_of", "request_timeout_s",
+        "max_request_bytes")),
+    "observability": ("traces (Prometheus metrics are always served at /metrics)", ()),
+}

@@ -103,11 +103,36 @@ def env_of(field: dataclasses.Field, how: Setting) -> str:
     return how.env or dest_of(field, how).upper()
 
 
+Groups = dict[str, tuple[str, tuple[str, ...]]]  # --help's topics: title -> (what it holds, the settings it lists)
+
+
+def add_groups(parser: argparse.ArgumentParser, groups: Groups, only: tuple[str, ...] | None = None) -> None:
+    """--help's topics (config.HELP_GROUPS) as the parser's argument groups, in the mapping's order; `only`: those
+    titles alone (argparse prints an empty group's title and description)."""
+    for title, (description, _) in groups.items():
+        if only is None or title in only:
+            parser.add_argument_group(title, description)
+
+
+def group_of(parser: argparse.ArgumentParser, title: str):
+    """The parser's argument group `title` (made by add_groups)."""
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    raise LookupError(f"{parser.prog} has no argument group {title!r} (settings.add_groups)")
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls, read_env: Callable, start: str | None = None,
-                  stop: str | None = None, choices: dict[str, tuple] | None = None) -> None:
+                  stop: str | None = None, choices: dict[str, tuple] | None = None,
+                  groups: Groups | None = None) -> None:
     """A flag for each of cls's settings (see `settings` for start/stop). `read_env(name, default, parse)` gives
-    the default the environment sets; `choices` supplies those config.py cannot import (--quantize's)."""
+    the default the environment sets; `choices` supplies those config.py cannot import (--quantize's). `groups`:
+    each flag goes into the parser's group (add_groups) that names its setting; a setting none names is an error."""
+    topic = {name: title for title, (_, names) in (groups or {}).items() for name in names}
     for field, how in settings(cls, start, stop):
+        if groups is not None and field.name not in topic:
+            raise LookupError(f"{cls.__name__}.{field.name} is in no --help group: name it in config.HELP_GROUPS")
+        target = group_of(parser, topic[field.name]) if groups is not None else parser
         # An empty tuple default is argparse's None: append needs a list, and --help shows no default.
         default = None if field.default == () else field.default
         kwargs: dict[str, Any] = {"default": read_env(env_of(field, how), default, how.env_parser()), "help": how.help}
@@ -118,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls, read_env: Callable, star
         if how.action in (None, "append"):
             kwargs.update(type=how.type, nargs=how.nargs, choices=(choices or {}).get(field.name, how.choices))
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "default"}
-        action = parser.add_argument(flag_of(field, how), **kwargs)
+        action = target.add_argument(flag_of(field, how), **kwargs)
         action.env = env_of(field, how)  # for --help's note (cli.py)
 
 
