@@ -38,11 +38,15 @@ def _content_parts(messages: list) -> int:
     return sum(_length(m.get("content")) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
 
 
+def _parameters(body: dict) -> dict:
+    parameters = body.get("parameters")
+    return parameters if isinstance(parameters, dict) else {}  # anything else: the validation's to refuse
+
+
 def _native_messages(body: dict) -> list:
     """The chat messages a native request's `inputs` holds as JSON (with apply_chat_template), else none."""
-    parameters = body.get("parameters")
-    inputs = body.get("inputs")
-    if not (isinstance(parameters, dict) and parameters.get("apply_chat_template") and isinstance(inputs, str)
+    parameters, inputs = _parameters(body), body.get("inputs")
+    if not (parameters.get("apply_chat_template") and isinstance(inputs, str)
             and inputs.lstrip().startswith("[")):
         return []
     try:
@@ -70,7 +74,7 @@ _SAMPLING: list[Count] = [
     ("allowed_token_ids", lambda b: _length(b.get("allowed_token_ids")), "max_allowed_token_ids"),
 ]
 _NATIVE: list[Count] = [
-    ("parameters.stop", lambda b: _length((b.get("parameters") or {}).get("stop")), "max_stop_sequences"),
+    ("parameters.stop", lambda b: _length(_parameters(b).get("stop")), "max_stop_sequences"),
     ("inputs (chat messages)", lambda b: len(b.get("_messages", ())), "max_messages"),
     ("inputs (chat messages' content)", lambda b: _content_parts(b.get("_messages", [])), "max_content_parts"),
 ]

@@ -98,3 +98,10 @@ def test_duplicate_tool_names_are_found_in_linear_time():
     assert time.perf_counter() - started < 1.0  # quadratic, it took minutes
     with pytest.raises(Exception, match="'f0' is given twice"):
         plan_tools(tools(1000, duplicate=True), None, None)
+
+
+def test_a_body_of_the_wrong_shape_is_refused_as_before_not_counted_into_a_500(client):
+    for body in ({"inputs": "x", "parameters": 5}, {"inputs": "x", "parameters": ["a"]}, ["not", "an", "object"]):
+        answer = client.post("/generate", json=body)
+        assert answer.status_code == 422, (body, answer.text)
+    assert client.post("/v1/chat/completions", json={"messages": 5}).status_code == 400
