@@ -186,4 +186,4 @@ class ModelConfig:
 
 # EngineConfig's and ServerConfig's settings are declared once, here: `setting` gives each its flag (the name's, or
 # `flag`), help text, environment variable (the flag's name in capitals, LoRAX's) and parser; cli.py builds the
-# command line from them, in declaration order (the order of --help).
+# command line from them, grouped by topic (config.HELP_GROUPS) and in declaration order within a group.
