@@ -45,6 +45,7 @@ class SamplingParams:
     min_tokens: int = 0
     min_tokens_stops: tuple[int, ...] = ()
     prompt_logprobs: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the answer stays in its text
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: tokens outside it are never sampled
     # Prefix caching: only requests with the same salt share cached KV blocks (vLLM's cache_salt: a tenant's own

@@ -13,10 +13,11 @@ versions). Every request model is a `RequestModel` (protocol/base.py): text and 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from loraplex.params import SamplingParams
 from loraplex.protocol.base import (
@@ -35,7 +36,53 @@ from loraplex.protocol.structured_output import (
 )
 from loraplex.protocol.tools.definitions import ToolChoice, ToolDefinition, ToolPlan, plan_tools
 
+log = logging.getLogger(__name__)
+
 # ---- requests ------------------------------------------------------------------------------------
+
+
+# Each refused field and the values it is accepted at (its default, meaning "off").
+REFUSED_AT: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,), "length_penalty": (1.0,), "early_stopping": (False,), "guided_grammar": (None,),
+    "guided_decoding_backend": (None, "auto"), "guided_whitespace_pattern": (None,), "structural_tag": (None,),
+    "logits_processors": (None, []), "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False), "priority": (0,), "kv_transfer_params": (None,), "vllm_xargs": (None,),
+    "mm_processor_kwargs": (None, {}),
+}
+WHY_REFUSED: dict[str, str] = {
+    "use_beam_search": "beam search is not served", "length_penalty": "beam search is not served",
+    "early_stopping": "beam search is not served",
+    "guided_grammar": "grammars are not served (use guided_json, guided_regex or guided_choice)",
+    "guided_decoding_backend": "this server has one structured output backend of its own ('auto')",
+    "priority": "priority scheduling is not served",
+}
+# Chat's own: vLLM's chat extras and OpenAI's chat fields this server does not serve.
+CHAT_REFUSED_AT: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False), "continue_final_message": (None, False), "add_generation_prompt": (None, True),
+    "documents": (None,), "chat_template": (None,), "chat_template_kwargs": (None, {}), "audio": (None,),
+    "prediction": (None,), "web_search_options": (None,), "reasoning_effort": (None,), "store": (None, False),
+    "modalities": (None, ["text"]), "service_tier": (None, "auto", "default"),
+}
+WHY_REFUSED.update({
+    "echo": "echoing the last message is not served", "continue_final_message": "the prompt always opens a new "
+    "assistant message", "add_generation_prompt": "the prompt always opens a new assistant message",
+    "chat_template": "the model's own template is used", "store": "answers are not stored",
+    "modalities": "answers are text", "audio": "answers are text",
+})
+
+
+def refuse_unserved(model: Any, table: dict[str, tuple[Any, ...]]) -> None:
+    """Unsupported, naming the first field of `table` set to a value it is not accepted at."""
+    for name, accepted in table.items():
+        value = getattr(model, name)
+        if value not in accepted:
+            why = WHY_REFUSED.get(name, "it is not served")
+            raise Unsupported(f"{name} is not supported ({why}); got {_shown(value)}", name)
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class StreamOptions(RequestModel):
@@ -87,6 +134,46 @@ class SamplingFields(RequestModel):
     structured_outputs: dict[str, Any] | None = None
     # Prefix caching: requests share cached prompt blocks only with the same salt (vLLM's field).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # vLLM's: the prompt tokens' logprobs (the actual token's; alternatives are refused: the engine scores only the
+    # prompt's own tokens); a stop string kept in the text; spaces between special tokens (our detokenizer, as a
+    # fast tokenizer's, puts none: both values are served as vLLM serves them with a fast tokenizer); only the
+    # last N prompt tokens kept (left truncation); special tokens (BOS) added to the prompt (None: the route's
+    # default, as vLLM's: true for completions, false for chat, whose template writes them).
+    prompt_logprobs: int | None = Field(default=None, ge=0)
+    include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    add_special_tokens: bool | None = None
+    # vLLM's and OpenAI's fields this server does not serve: accepted at their defaults only (REFUSED_AT below).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    _ignored: list[str] = PrivateAttr(default_factory=list)  # fields no peer defines: ignored, logged by name
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored(cls, data: Any, handler) -> Any:
+        """Remember the fields no API this server follows defines (ignored, as OpenAI and vLLM ignore them)."""
+        model = handler(data)
+        if isinstance(data, dict) and isinstance(model, SamplingFields):
+            model._ignored = sorted(str(k) for k in data if k not in type(model).model_fields)
+        return model
+
+    def log_ignored(self) -> None:
+        """One debug line naming the request's ignored fields, if any."""
+        if self._ignored:
+            log.debug("ignored unknown request fields: %s", ", ".join(name[:64] for name in self._ignored[:50]))
 
     @field_validator("stop")
     @classmethod
@@ -113,6 +200,14 @@ class SamplingFields(RequestModel):
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise Unsupported("allowed_token_ids must not be empty (leave it out to allow every token)",
                               "allowed_token_ids")
+        refuse_unserved(self, REFUSED_AT)
+        if self.prompt_logprobs:
+            raise Unsupported(
+                "prompt_logprobs > 0 is not supported: the prompt's top alternatives are not computed; "
+                "prompt_logprobs: 0 gives each prompt token's own logprob", "prompt_logprobs",
+            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise Unsupported("prompt_logprobs is not available when streaming", "prompt_logprobs")
         self.output_constraint()
 
     def token_bias(self) -> tuple[tuple[int, float], ...]:
@@ -148,7 +243,7 @@ class SamplingFields(RequestModel):
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             grammar=constraint[1] if (constraint := self.output_constraint()) else None, cache_salt=self.cache_salt,
             logit_bias=self.token_bias(), allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
-            min_tokens=self.min_tokens,
+            min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
         )
         temperature = 1.0 if self.temperature is None else self.temperature
         if temperature < SAMPLING_EPS:
@@ -185,7 +280,9 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
     best_of: int | None = Field(default=None, ge=1)
-    suffix: str | None = None  # refused when given
+    # Fill in the middle: served where the tokenizer has FIM tokens (server/openai_inputs.py), else refused.
+    suffix: str | None = None
+    prompt_embeds: str | list[str] | None = None  # vLLM's: refused
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -200,8 +297,8 @@ class CompletionRequest(SamplingFields):
 
     def check(self) -> None:
         super().check()
-        if self.suffix:
-            raise Unsupported("suffix is not supported yet", "suffix")
+        if self.prompt_embeds is not None:
+            raise Unsupported("prompt_embeds is not supported (give the prompt as text or token ids)", "prompt_embeds")
         n, best_of = self.choices_per_prompt, self.best_of or self.choices_per_prompt
         if best_of < n:
             raise Unsupported(f"best_of must be >= n; got best_of={best_of}, n={n}", "best_of")
@@ -301,9 +398,24 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None  # OpenAI's deprecated form of tools: refused
     function_call: Any = None
+    # Refused unless at their defaults (CHAT_REFUSED_AT): vLLM's chat extras, OpenAI's fields not served.
+    echo: bool | None = None
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
+    documents: list[Any] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    store: bool | None = None
+    modalities: list[str] | None = None
+    service_tier: str | None = None
 
     def check(self) -> None:
         super().check()
+        refuse_unserved(self, CHAT_REFUSED_AT)
         if self.functions:
             raise Unsupported("functions (deprecated by OpenAI) are not supported; use tools", "functions")
         if self.function_call not in (None, "none"):

@@ -72,11 +72,44 @@ class CompletionLogprobs(BaseModel):
         return offset
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, as its `prompt_logprobs` carry it. `rank` is None: the engine scores only the prompt's own
+    tokens, not the whole vocabulary (vLLM's field is optional)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def prompt_logprobs_of(tokens: list[TokenInfo] | None, token_text: Callable[[int], str]) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: None for the first prompt token (nothing predicts it), then {token id: Logprob} for
+    each prompt token."""
+    return [
+        None if t.logprob is None else {t.id: PromptLogprob(logprob=logprob(t.logprob), decoded_token=token_text(t.id))}
+        for t in tokens or []
+    ]
+
+
+def _without_absent_prompt_logprobs(data: dict[str, Any], value: Any) -> dict[str, Any]:
+    """`prompt_logprobs` only when asked for (vLLM's field; absent from OpenAI's answers)."""
+    if value is None:
+        data.pop("prompt_logprobs", None)
+    return data
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonName | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when the request asked for them
+
+    @model_serializer(mode="wrap")
+    def _prompt_logprobs_when_asked(self, handler) -> dict[str, Any]:
+        return _without_absent_prompt_logprobs(handler(self), self.prompt_logprobs)
 
 
 class _Envelope(BaseModel):
@@ -165,6 +198,11 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when the request asked for them
+
+    @model_serializer(mode="wrap")
+    def _prompt_logprobs_when_asked(self, handler) -> dict[str, Any]:
+        return _without_absent_prompt_logprobs(handler(self), self.prompt_logprobs)
 
 
 class FunctionCallDelta(BaseModel):

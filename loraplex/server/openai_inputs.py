@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import TypeVar
 
 from loraplex.multimodal import split_chat_images
@@ -98,8 +99,70 @@ def fan_out(params: SamplingParams, count: int) -> list[SamplingParams]:
     return [replace(params, seed=(params.seed + i) % 2**64) for i in range(count)]
 
 
+# Fill-in-the-middle tokens (prefix, suffix, middle) as tokenizers name them: StarCoder's, Qwen2.5-Coder's, SantaCoder's.
+FIM_TOKEN_NAMES = (
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
+)
+
+
+@lru_cache(maxsize=8)
+def fim_token_ids(hf_tokenizer) -> tuple[int, int, int] | None:
+    """The tokenizer's (prefix, suffix, middle) token ids, or None when its vocabulary has no such three."""
+    vocab = hf_tokenizer.get_vocab()
+    for names in FIM_TOKEN_NAMES:
+        if all(name in vocab for name in names):
+            return tuple(vocab[name] for name in names)  # type: ignore[return-value]
+    return None
+
+
+def fill_in_the_middle(state: ServerState, body: CompletionRequest) -> tuple[int, int, int] | None:
+    """`suffix`'s tokens (None without a suffix); a 400 naming suffix where the model has none."""
+    if not body.suffix:
+        return None
+    fim = fim_token_ids(state.tokenizer.hf)
+    if fim is None:
+        raise BadRequest("suffix needs fill-in-the-middle tokens (<fim_prefix>, <fim_suffix>, <fim_middle>), and "
+                         "this model's tokenizer has no fill-in-the-middle tokens", "suffix")
+    if body.echo:
+        raise BadRequest("echo cannot be combined with suffix", "suffix")
+    if body.truncate_prompt_tokens is not None:
+        raise BadRequest("truncate_prompt_tokens cannot be combined with suffix", "truncate_prompt_tokens")
+    state.validation.check_length(body.suffix, "suffix")
+    return fim
+
+
+def wants_prompt_logprobs(state: ServerState, body: SamplingFields, echo: bool = False, logprobs: bool = False) -> bool:
+    """Whether the engine must score the prompt: vLLM's prompt_logprobs, or completions' echo with logprobs. An
+    encoder-decoder model's prompt is encoded, not predicted: it has none (400)."""
+    wanted = body.prompt_logprobs is not None or (echo and logprobs)
+    if wanted and state.model.is_encoder_decoder:
+        param = "prompt_logprobs" if body.prompt_logprobs is not None else "echo"
+        what = "prompt_logprobs asks" if param == "prompt_logprobs" else "echo with logprobs asks"
+        raise BadRequest(
+            f"{what} for the prompt's logprobs, which an encoder-decoder model does not define "
+            f"(its prompt is encoded, not predicted); drop {'it' if param == 'prompt_logprobs' else 'echo or logprobs'}",
+            param,
+        )
+    return wanted
+
+
+def truncated(state: ServerState, ids: list[int], keep: int | None, images: ImageInputs | None = None):
+    """vLLM's truncate_prompt_tokens: only the last `keep` prompt tokens (left truncation), never cutting an image
+    (as the native API's truncate)."""
+    if keep is None or keep >= len(ids):
+        return ids, images
+    if images is not None and images.positions and images.positions[0] < len(ids) - keep:
+        raise BadRequest(f"truncate_prompt_tokens={keep} would cut an image's tokens out of the prompt",
+                         "truncate_prompt_tokens")
+    ids = ids[-keep:]
+    return ids, images.for_ids(ids) if images is not None else None
+
+
 async def prepare_completion(state: ServerState, body: CompletionRequest) -> list[Job]:
     refusing(body.check)
+    body.log_ignored()
     prompts = body.prompts()
     if not prompts:
         raise BadRequest("prompt must not be empty", "prompt")
@@ -107,24 +170,27 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> lis
     if runs > max(n, state.config.max_best_of):
         raise BadRequest(f"best_of > n must be <= {state.config.max_best_of} (max best of); got {runs}", "best_of")
     check_share(state, n, runs, len(prompts))
-    wants_prompt_logprobs = bool(body.echo) and body.logprobs is not None
-    if wants_prompt_logprobs and state.model.is_encoder_decoder:
-        raise BadRequest(
-            "echo with logprobs asks for the prompt's logprobs, which an encoder-decoder model does not define "
-            "(its prompt is encoded, not predicted); drop echo or logprobs", "echo",
-        )
+    prompt_logprobs = wants_prompt_logprobs(state, body, bool(body.echo), body.logprobs is not None)
+    fim = fill_in_the_middle(state, body)
     max_tokens = body.max_tokens or default_max_tokens(state, 16)
-    params = sampling_params(state, body, max_tokens, body.logprobs or 0, wants_prompt_logprobs)
+    params = sampling_params(state, body, max_tokens, body.logprobs or 0, prompt_logprobs)
     tokenizer = state.tokenizer
+    add_special = body.add_special_tokens is not False and fim is None  # FIM: the prefix token opens the prompt
+    suffix_ids = await state.validation.run(tokenizer.encode, body.suffix, add_special_tokens=False) if fim else []
     jobs = []
     for p, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             state.validation.check_length(prompt, "prompt")
-            ids, text = await state.validation.run(tokenizer.encode, prompt, add_special_tokens=True), prompt
+            ids, text = await state.validation.run(tokenizer.encode, prompt, add_special_tokens=add_special), prompt
         else:
             if any(not 0 <= i < tokenizer.vocab_size for i in prompt):
                 raise BadRequest(f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
             ids, text = list(prompt), tokenizer.decode(prompt, skip_special_tokens=False)
+        if fim is not None:  # StarCoder's PSM order: <prefix> prompt <suffix> suffix <middle>
+            ids = [fim[0], *ids, fim[1], *suffix_ids, fim[2]]
+        if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens < len(ids):
+            ids, _ = truncated(state, ids, body.truncate_prompt_tokens)
+            text = tokenizer.decode(ids, skip_special_tokens=False)  # what the model read (the echo)
         check_prompt_and_budget(state, ids, max_tokens, "prompt", "max_tokens")
         for k, sp in enumerate(fan_out(params, runs)):
             jobs.append(Job(p * runs + k, p, ids, sp, text if body.echo else ""))
@@ -141,7 +207,9 @@ def default_max_tokens(state: ServerState, api_default: int) -> int:
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[Job], ToolAnswers]:
     """The request's jobs, and how to read their answers (text, or tool calls)."""
     refusing(body.check)
+    body.log_ignored()
     check_share(state, body.choices_per_prompt, body.choices_per_prompt, 1)
+    prompt_logprobs = wants_prompt_logprobs(state, body)
     plan = refusing(body.tool_plan)
     messages = refusing(body.template_messages)
     urls: list[str] = []
@@ -152,12 +220,13 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
         prompt = await state.validation.run(chat_prompt, state, messages, plan)  # templates can be slow: off the loop
     except Exception as exc:  # no template, or the template refused these messages
         raise BadRequest(f"messages cannot be turned into a prompt: {exc}", "messages") from exc
-    ids, images = await encode_prompt(state, prompt, urls, False, "messages")
+    ids, images = await encode_prompt(state, prompt, urls, bool(body.add_special_tokens), "messages")
+    ids, images = truncated(state, ids, body.truncate_prompt_tokens, images)
     room = state.model.max_total_tokens - state.model.limits.sequence_tokens_of_prompt(len(ids))
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(state, max(1, room))
     check_prompt_and_budget(state, ids, max_tokens, "messages", "max_tokens")
     top_n = (body.top_logprobs or 0) if body.logprobs else 0
-    params = sampling_params(state, body, max_tokens, top_n)
+    params = sampling_params(state, body, max_tokens, top_n, prompt_logprobs)
     # Every tool's schema is compiled too, whatever the choice: a tool that could never be constrained is refused.
     await compile_grammars(state, [body.output_constraint(), *plan.schemas()])
     jobs = [Job(k, 0, ids, sp, images=images) for k, sp in enumerate(fan_out(params, body.choices_per_prompt))]

@@ -36,6 +36,7 @@ from loraplex.protocol.openai_responses import (
     ModelList,
     UsageInfo,
     finish_reason_name,
+    prompt_logprobs_of,
 )
 from loraplex.server.chat_tools import AnswerStream
 from loraplex.server.docs import JSON_OR_EVENTS
@@ -325,8 +326,12 @@ async def completions(body: CompletionRequest, request: Request):
                 logprobs = CompletionLogprobs()
                 logprobs.extend(r.final.prompt_tokens or [] if job.echo else [], 0, state.tokenizer.token_text)
                 logprobs.extend(r.tokens, len(job.echo), state.tokenizer.token_text)
+            prompt_logprobs = None
+            if body.prompt_logprobs is not None:  # vLLM's, on each choice
+                prompt_logprobs = prompt_logprobs_of(r.final.prompt_tokens, state.tokenizer.token_text)
             choices.append(CompletionChoice(index=p * n + k, text=job.echo + (r.final.generated_text or ""),
-                                            logprobs=logprobs, finish_reason=finish_reason_name(r.final.finish_reason)))
+                                            logprobs=logprobs, finish_reason=finish_reason_name(r.final.finish_reason),
+                                            prompt_logprobs=prompt_logprobs))
     response = CompletionResponse(id=rid, created=created, model=model, choices=choices,
                                   usage=usage(jobs, [r.final for r in results]))
     return JSONResponse(response.model_dump(), headers=adapter_header(served.adapter))
@@ -378,6 +383,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             index=job.index, message=message, finish_reason=reason,
             logprobs=ChoiceLogprobs.of(r.tokens, state.tokenizer.token_text) if body.logprobs else None,
         ))
+    prompt_logprobs = None
+    if body.prompt_logprobs is not None:  # vLLM's: once, beside the choices (they share the prompt)
+        prompt_logprobs = prompt_logprobs_of(results[0].final.prompt_tokens, state.tokenizer.token_text)
     response = ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
-                                      usage=usage(jobs, [r.final for r in results]))
+                                      usage=usage(jobs, [r.final for r in results]), prompt_logprobs=prompt_logprobs)
     return JSONResponse(response.model_dump(), headers=adapter_header(served.adapter))

@@ -180,7 +180,7 @@ def test_completion_prompt_forms_extras_and_best_of(client):
     assert answer.usage.completion_tokens == 3 and answer.choices[0].finish_reason == "length"
     best = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, best_of=2, n=1, extra_body={"ignore_eos": True})
     assert len(best.choices) == 1 and best.usage.completion_tokens == 4  # both runs generated
-    for fields, named in (({"suffix": "x"}, "suffix"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    for fields, named in (({"suffix": "x"}, "no fill-in-the-middle tokens"), ({"logit_bias": {"x": 1}}, "logit_bias"),
                           ({"best_of": 3}, "max best of"), ({"prompt": [[1, 2], "x"]}, "prompt")):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(**{"model": MODEL, "prompt": "Hi", "max_tokens": 1, **fields})

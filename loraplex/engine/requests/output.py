@@ -117,8 +117,11 @@ class OutputProcessor:
         if request.grammar is not None and request.grammar.is_stopped():  # complete, its end token taken
             return FinishReason.EOS_TOKEN
         if params.stop and stream.detokenizer is not None and len(request.output_ids) >= params.min_tokens:
-            stop_at = find_stop(stream.detokenizer.text, len(piece), params.stop)
+            text = stream.detokenizer.text
+            stop_at = find_stop(text, len(piece), params.stop)
             if stop_at is not None:
+                if params.include_stop_str_in_output:  # kept: the longest stop string that starts there
+                    stop_at += max(len(s) for s in params.stop if text.startswith(s, stop_at))
                 stream.text_end = stop_at
                 return FinishReason.STOP_SEQUENCE
         if len(request.output_ids) >= params.max_new_tokens or request.num_tokens >= self.max_total_tokens:
