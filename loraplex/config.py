@@ -132,6 +132,9 @@ class ServerConfig:
         help="directory local adapters may be loaded from (repeatable; none: local adapters off)")
     max_concurrent_requests: int = setting(
         128, type=_positive, help="requests in flight at once; more get 429 with a Retry-After header")
+    max_sequences_per_request: int | None = setting(
+        type=_positive, help="sequences one request may make (n x prompts, best_of), each taking a seat of "
+                             "--max-concurrent-requests (default: a quarter of them, at least 1)")
     # Admission limit on queued work: prompt + max_new_tokens of the requests in flight (admitted, not finished:
     # waiting, preempted or running). A request past it gets 429 + Retry-After; one is always admitted when
     # nothing is in flight. None: off (the concurrency limit and the engine's queue alone).
@@ -239,7 +242,8 @@ HELP_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
         "served_model_name", "validation_workers")),
     "limits": ("what one request may send or ask for (more is refused), how many run at once and for how long, "
                "and where images may come from", (
-        "max_grammar_bytes", "grammar_compile_timeout_s", "max_concurrent_requests", "max_queued_tokens",
+        "max_grammar_bytes", "grammar_compile_timeout_s", "max_concurrent_requests",
+        "max_sequences_per_request", "max_queued_tokens",
         "max_stop_sequences", "max_messages", "max_content_parts", "max_tools", "max_stop_token_ids",
         "max_logit_bias", "max_bad_words", "max_allowed_token_ids", "max_best_of", "request_timeout_s",
         "max_request_bytes")),

@@ -28,9 +28,12 @@ RATE_WINDOW_S = 10
 SEQUENCE_SHARE_DIVISOR = 4
 
 
-def sequences_per_request(max_concurrent_requests: int) -> int:
-    """The most sequences (n x prompts, best_of) one request may make: a quarter of --max-concurrent-requests,
-    at least 1, so that three quarters of the seats stay for the other clients whatever one request asks."""
+def sequences_per_request(max_concurrent_requests: int, asked: int | None = None) -> int:
+    """The most sequences (n x prompts, best_of) one request may make: `asked` (--max-sequences-per-request), else a
+    quarter of --max-concurrent-requests, at least 1, so that three quarters of the seats stay for the other clients
+    whatever one request asks."""
+    if asked is not None:
+        return min(asked, max_concurrent_requests)
     return max(1, max_concurrent_requests // SEQUENCE_SHARE_DIVISOR)
 
 

@@ -94,11 +94,12 @@ async def prepare(state: ServerState, body: GenerateRequest) -> Prepared:
     best_of = p.best_of or 1
     if best_of > limits.max_best_of:
         raise BadRequest(f"best_of must be <= {limits.max_best_of} (max best of); got {best_of}")
-    share = sequences_per_request(limits.max_concurrent_requests)
+    share = sequences_per_request(limits.max_concurrent_requests, limits.max_sequences_per_request)
     if best_of > share:  # each sequence takes a seat: one request may not take every seat (issue 58)
         raise BadRequest(
-            f"best_of must be <= {share} (sequences per request: a quarter of max concurrent requests "
-            f"{limits.max_concurrent_requests}, so that one request leaves seats for the others); got {best_of}",
+            f"best_of must be <= {share} (--max-sequences-per-request; by default a quarter of "
+            f"--max-concurrent-requests {limits.max_concurrent_requests}, so that one request leaves seats for the "
+            f"others); got {best_of}",
             "best_of",
         )
     if best_of > 1 and not (p.do_sample or p.temperature or p.top_k or p.top_p or p.typical_p):

@@ -79,7 +79,7 @@ def check_share(state: ServerState, n: int, runs: int, prompts: int) -> None:
     --max-concurrent-requests: more than one request's share (`sequences_per_request`) is refused at once, 400
     naming the field, so that one request cannot take every seat (issue 58)."""
     limit = state.config.max_concurrent_requests
-    share = sequences_per_request(limit)
+    share = sequences_per_request(limit, state.config.max_sequences_per_request)
     if runs * prompts <= share:
         return
     param = "best_of" if runs > n else "n" if runs > 1 else "prompt"
@@ -87,8 +87,8 @@ def check_share(state: ServerState, n: int, runs: int, prompts: int) -> None:
     if param != "prompt" and prompts > 1:
         what += " times the number of prompts"
     raise BadRequest(
-        f"{what} must be <= {share} (sequences per request: a quarter of max concurrent requests {limit}, "
-        f"so that one request leaves seats for the others); got {runs * prompts}", param,
+        f"{what} must be <= {share} (--max-sequences-per-request; by default a quarter of --max-concurrent-requests "
+        f"{limit}, so that one request leaves seats for the others); got {runs * prompts}", param,
     )
 
 

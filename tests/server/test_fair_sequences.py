@@ -29,6 +29,25 @@ WAIT_S = 60
 def test_a_request_may_make_a_quarter_of_the_seats_at_least_one():
     assert [sequences_per_request(m) for m in (1, 3, 4, 7, 8, 128)] == [1, 1, 1, 1, 2, 32]
     assert sequences_per_request(MAX_CONCURRENT) == SHARE
+    # --max-sequences-per-request sets it (an evaluation harness's batches of prompts), within the seats.
+    assert [sequences_per_request(128, asked) for asked in (1, 64, 500)] == [1, 64, 128]
+
+
+def test_the_share_is_a_flag(embedded):
+    from fastapi.testclient import TestClient
+
+    from loraplex.config import EngineConfig, ServerConfig
+    from loraplex.engine.async_engine import AsyncEngine
+    from loraplex.engine.engine import Engine
+    from loraplex.server.app import create_app
+
+    engine = Engine(embedded, EngineConfig(device="cpu", max_batch_total_tokens=4096))
+    config = ServerConfig(max_concurrent_requests=8, max_sequences_per_request=6)
+    with TestClient(create_app(AsyncEngine(engine), config)) as client:
+        prompt = {"prompt": "Hi", "max_tokens": 1}
+        assert client.post("/v1/completions", json={**prompt, "n": 6}).status_code == 200
+        refused = client.post("/v1/completions", json={**prompt, "n": 7})
+        assert refused.status_code == 400 and "--max-sequences-per-request" in refused.json()["error"]["message"]
 
 
 def test_a_requests_sequences_are_admitted_all_or_none_and_each_released_once():
@@ -109,8 +128,8 @@ def test_openai_over_the_share_is_400_naming_the_field_and_the_bound(client, adm
     error = response.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", param)
     assert error["message"].startswith(param if param != "prompt" else "the number of prompts")
-    assert f"must be <= {SHARE} (sequences per request" in error["message"]
-    assert f"max concurrent requests {MAX_CONCURRENT}" in error["message"] and f"got {got}" in error["message"]
+    assert f"must be <= {SHARE} (--max-sequences-per-request" in error["message"]
+    assert f"--max-concurrent-requests {MAX_CONCURRENT}" in error["message"] and f"got {got}" in error["message"]
     assert admissions == []  # refused before any seat
 
 
@@ -120,7 +139,7 @@ def test_native_best_of_over_the_share_is_422_naming_it(client, admissions):
     assert response.status_code == 422, response.text
     body = response.json()
     assert body["error_type"] == "validation"
-    assert body["error"].startswith(f"best_of must be <= {SHARE} (sequences per request")
+    assert body["error"].startswith(f"best_of must be <= {SHARE} (--max-sequences-per-request")
     assert admissions == []
 
 
