@@ -295,14 +295,12 @@ class LoraAdapter:
         """A digest of what the adapter computes (its weights and scales), not of its name, packed or not: the prefix
         cache keys blocks by it, so an adapter re-uploaded under the same id never reads the KV its old weights made.
         (SHA-256: with the CPU's SHA instructions the fastest of hashlib's, and it is much of a cold adapter's load.)"""
-        digest = hashlib.sha256()
-        for name in sorted(self.modules):
-            w = self.modules[name]
-            digest.update(name.encode())
-            digest.update(struct.pack("<d", w.scale))
-            for t in (w.a, w.b):
-                digest.update(str(tuple(t.shape)).encode())
-                digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        if self.flat is None:  # hand-built: hashed as the store would pack it
+            return self.packed().fingerprint if self.modules else hashlib.sha256().digest()[:16]
+        scales = self.modules.scales if isinstance(self.modules, PackedModules) else \
+            {name: w.scale for name, w in self.modules.items()}
+        digest = hashlib.sha256(repr((sorted(scales.items()), self.layout.entries, str(self.flat.dtype))).encode())
+        digest.update(self.flat.detach().cpu().reshape(-1).view(torch.uint8).numpy())  # one pass, off the interpreter
         return digest.digest()[:16]
 
 
@@ -435,14 +433,19 @@ def adapter_from_tensors(
     for key, module in layout.base_copies.items():
         _check_base_copy(key, module, tensors[key], base_weight)
     modules: dict[str, LoraWeights] = {}
-    dtype = form.dtype if form is not None else torch.float32  # a file in the slots' dtype is not converted twice
     for module, (saved, a, b) in layout.modules.items():
         a_index, b_index = layout.pieces.get(module, ((), ()))
-        weights = LoraWeights(tensors[a][a_index].to(dtype).contiguous(), tensors[b][b_index].to(dtype).contiguous(),
-                              config.scale(saved))
-        check_weights(_PREFIX + module, weights)
-        modules[module] = weights
-    return LoraAdapter(adapter_id, modules, config).packed(form)
+        modules[module] = LoraWeights(tensors[a][a_index], tensors[b][b_index], config.scale(saved))
+        _check_scale(modules[module].scale, _PREFIX + module)
+    # Converted once, as it is packed; then checked in one pass over the packed buffer (a pass per tensor holds the
+    # interpreter hundreds of times: a load beside a running engine should not), per tensor only to name a bad one.
+    adapter = LoraAdapter(adapter_id, modules, config).packed(form or FlatFormat(torch.float32))
+    if adapter.flat is not None and adapter.flat.numel():
+        largest = adapter.flat.abs().amax().item()
+        if not (math.isfinite(largest) and largest <= MAX_LORA_WEIGHT):
+            for module, weights in adapter.modules.items():
+                check_weights(_PREFIX + module, weights)
+    return adapter
 
 
 def _check_base_copy(key: str, module: str, tensor: torch.Tensor, base_weight: BaseWeight | None) -> None:

@@ -300,9 +300,9 @@ async def tokenize(body: TokenizeRequest, request: Request):
     # 429 + Retry-After).
     state = get_state(request)
     tokenizer, validation = state.tokenizer, state.validation
-    validation.check_length(body.inputs, "inputs")
     with validation.token_routes():
         text, urls = split_markdown_images(body.inputs, image_placeholder(state))
+        validation.check_length(text, "inputs")  # the text the tokenizer reads: an image's URL is not in it
         if urls:  # each image's placeholder tokens, as many as the request would use (no character offsets)
             ids, _ = await encode_prompt(state, text, urls, body.add_special_tokens, "inputs")
             validation.check_tokens(len(ids), "inputs")
