@@ -230,7 +230,7 @@ class Engine:
             self.adapters.use(adapter)
             request.adapter_key = adapter.key  # the store's name for it; `adapter.adapter_id` is the client's
         if self.config.prefix_caching:
-            request.cache_key = root_key(adapter.fingerprint if adapter else None, params.cache_salt, inputs.encoder_ids)
+            request.cache_key = root_key(adapter.cache_identity if adapter else None, params.cache_salt, inputs.encoder_ids)
             request.image_digest = inputs.image_digest
         self.scheduler.add(request)
         self.outputs.open(request)

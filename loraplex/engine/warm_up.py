@@ -4,12 +4,14 @@ kernels (or loads them from its disk cache) for the shapes the steps take, the a
 device supports (layers/kernels/varlen_prefill.py), and the decode graphs are captured at every batch size, over
 an adapter and without (engine/worker/decode_graphs.py). TGI and LoRAX warm up likewise.
 
-The requests: two long prompts, over the made-up adapter and without, together longer than a step's prompt budget
-(so one is chunked and resumed over its cached context), then at every graph batch size that many short prompts
-decoding a few tokens, over the adapter and without. The adapter has zero weights on every module of PEFT's
+The requests: two long prompts, over two made-up adapters (with one adapter slot only: over the one and without),
+together longer than a step's prompt budget (so one is chunked and resumed over its cached context): a step of
+several adapters' rows takes the tile kernels (lora/step/kernels/sgmv.py), which would otherwise compile in the
+first step that mixes adapters, stalling every request in it. Then, at every graph batch size, that many short
+prompts decoding a few tokens, over the adapter and without. Each adapter has zero weights on every module of PEFT's
 "all-linear" (every one an adapter may target but the output head), at rank 16 or the engine's largest if lower
-(the LoRA kernels are compiled for the engine's largest rank, whatever an adapter's); it is installed like any
-other and taken out of its slot afterwards. What it cannot cover is still done at first use: the graphs of other
+(the LoRA kernels are compiled for the engine's largest rank, whatever an adapter's); they are installed like any
+other and taken out of their slots afterwards. What it cannot cover is still done at first use: the graphs of other
 sets of targeted layers (a step's graph is keyed by the layers its installed adapters target together: adapters on
 q and v only, or on the head too, capture their own), and Triton's specialisations on argument values a real step
 may take first (an integer divisible by 16 or not).
@@ -49,6 +51,7 @@ def warm_up(engine, decode_sizes: Sequence[int] | None = None) -> WarmUpReport:
     graphs = engine.runner.decode_graphs
     captured_before = graphs.num_captured if graphs is not None else 0
     adapter = _zero_adapter(engine)
+    second = _zero_adapter(engine, WARM_UP_KEY + "-2") if engine.lora.num_slots >= 2 else None
     tokens = _ordinary_tokens(engine)
     rng = random.Random(0)
     count = 0
@@ -64,19 +67,20 @@ def warm_up(engine, decode_sizes: Sequence[int] | None = None) -> WarmUpReport:
 
     long = _long_prompt_length(engine)
     if long > 0:
-        run([long, long], LONG_NEW_TOKENS, [adapter, None])
+        run([long, long], LONG_NEW_TOKENS, [adapter, second])
     if decode_sizes is None:
         decode_sizes = graphs.sizes if graphs is not None else (1,)
     for rows in decode_sizes:
         for used in ([adapter, None] if adapter is not None else [None]):
             run([SHORT_PROMPT] * rows, SHORT_NEW_TOKENS, [used] * rows)
-    if adapter is not None:
-        engine.evict_adapter(adapter.key)
+    for used in (adapter, second):
+        if used is not None:
+            engine.evict_adapter(used.key)
     captured = (graphs.num_captured if graphs is not None else 0) - captured_before
     return WarmUpReport(count, captured, time.perf_counter() - started)
 
 
-def _zero_adapter(engine) -> LoraAdapter | None:
+def _zero_adapter(engine, key: str = WARM_UP_KEY) -> LoraAdapter | None:
     """Zero weights on every module PEFT's `target_modules="all-linear"` takes: all but the output head. A decode
     graph is captured per set of targeted layers, so this is the set whose graphs the warm-up leaves ready. None
     when the engine has no adapter slot or the model no such module."""
@@ -86,7 +90,7 @@ def _zero_adapter(engine) -> LoraAdapter | None:
     if not engine.lora.num_slots or not modules:
         return None
     config = LoraConfig(r=rank, lora_alpha=rank, target_modules=tuple(sorted(modules)))
-    return LoraAdapter(WARM_UP_KEY, modules, config).packed()
+    return LoraAdapter(key, modules, config).packed()
 
 
 def _ordinary_tokens(engine) -> list[int]:

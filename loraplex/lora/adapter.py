@@ -1,4 +1,5 @@
-"""A PEFT LoRA adapter: its configuration, read exactly as PEFT applies it, and its weights per module.
+"""A PEFT LoRA adapter: its configuration (lora/lora_config.py, read exactly as PEFT applies it) and its weights per
+module.
 
 An adapter is an `adapter_config.json` + `adapter_model.safetensors` pair. PEFT saves the tensors of
 module `M` (named as in the base model, e.g. `model.layers.3.self_attn.q_proj`) under
@@ -22,20 +23,18 @@ import hashlib
 import math
 import pathlib
 import re
-import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 
 from loraplex.checkpoints.json_files import JsonFileError, read_json_object
 from loraplex.lora.errors import AdapterError, AdapterInvalid, AdapterNotFound
-import loraplex.lora.config_fields as fields
 from loraplex.lora.step.expert_slices import STACKED_PARAMETERS, is_stacked_experts, stacked_parameter_loras
 from loraplex.lora.layout import FlatFormat, Layout
+from loraplex.lora.lora_config import LoraConfig, check_scale
 from loraplex.lora.packed import PackedModules
 from loraplex.lora.weights import LoraWeights
-from loraplex.lora.patterns import MatchBudget, UserPattern
 from loraplex.checkpoints.safetensors_header import SafetensorsHeaderError, owned_tensors, read_header, read_owned
 
 __all__ = ["AdapterError", "AdapterInvalid", "AdapterNotFound", "LoraAdapter", "LoraConfig", "LoraWeights"]
@@ -47,165 +46,14 @@ _TENSOR_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<part>A|B)\.weight$")
 _BASE_COPY_KEY = re.compile(r"^(?P<module>.+)\.base_layer\.weight$")
 
 
-# Options PEFT offers that change what the adapter computes and that we do not serve:
-# field -> (value that means "off", what to say).
-_UNSERVED_OPTIONS: dict[str, tuple[Any, str]] = {
-    "use_dora": (False, "DoRA (use_dora) is not served"),
-    "modules_to_save": (None, "modules_to_save (fully fine-tuned modules) is not served"),
-    "lora_bias": (False, "lora_bias is not served"),
-    "trainable_token_indices": (None, "trainable_token_indices is not served"),
-    "layer_replication": (None, "layer_replication is not served"),
-    "alora_invocation_tokens": (None, "aLoRA (alora_invocation_tokens) is not served"),
-    "megatron_config": (None, "megatron_config is not served"),
-}
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """The parts of a PEFT `LoraConfig` that decide which modules get a delta and how it is scaled."""
-
-    r: int
-    lora_alpha: float
-    use_rslora: bool = False
-    target_modules: tuple[str, ...] | str = ()
-    rank_pattern: Mapping[str, int] = field(default_factory=dict)
-    alpha_pattern: Mapping[str, float] = field(default_factory=dict)
-    layers_to_transform: tuple[int, ...] | None = None
-    layers_pattern: tuple[str, ...] = ()
-    exclude_modules: tuple[str, ...] | str = ()
-    target_parameters: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        # Tenant-written regexes, compiled once; all of one config's backtracking matches share a budget.
-        budget = MatchBudget()
-
-        def compile_(source: str, name: str) -> UserPattern:
-            return UserPattern(source, name, budget)
-
-        patterns = {
-            "targets": compile_(self.target_modules, "target_modules") if isinstance(self.target_modules, str) else None,
-            "exclude": compile_(self.exclude_modules, "exclude_modules") if isinstance(self.exclude_modules, str) else None,
-            "rank": [(k, compile_(rf"(.*\.)?({k})$", f"rank_pattern[{k!r}]")) for k in self.rank_pattern],
-            "alpha": [(k, compile_(rf"(.*\.)?({k})$", f"alpha_pattern[{k!r}]")) for k in self.alpha_pattern],
-            "layers": [compile_(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", "layers_pattern") for p in self.layers_pattern],
-        }
-        object.__setattr__(self, "_patterns", patterns)
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], max_rank: int) -> "LoraConfig":
-        """Read an adapter_config.json; refuse what we do not serve, what exceeds `max_rank`, and
-        fields of the wrong type or out of bounds (naming the field)."""
-        peft_type = str(raw.get("peft_type", "LORA")).upper().removeprefix("PEFTTYPE.")  # str(PeftType.LORA)
-        if peft_type != "LORA":
-            raise AdapterInvalid(f"peft_type {raw.get('peft_type')!r} is not served; only LORA adapters are")
-        for name, (off, message) in _UNSERVED_OPTIONS.items():
-            value = raw.get(name, off)
-            if value not in (off, None, False, [], {}):
-                raise AdapterInvalid(f"{message} ({name}={value!r})")
-        if raw.get("bias", "none") != "none":
-            raise AdapterInvalid(f"bias={raw.get('bias')!r} is not served; only bias='none' is")
-        r = fields.positive_int(raw.get("r", 8), "r")
-        rank_pattern = {k: fields.positive_int(v, f"rank_pattern[{k!r}]") for k, v in fields.mapping(raw, "rank_pattern").items()}
-        alpha_pattern = {k: fields.alpha(v, f"alpha_pattern[{k!r}]") for k, v in fields.mapping(raw, "alpha_pattern").items()}
-        for name, rank in [("r", r), *((f"rank_pattern[{k!r}]", v) for k, v in rank_pattern.items())]:
-            if rank > max_rank:
-                raise AdapterInvalid(f"{name} = {rank} is above the maximum LoRA rank {max_rank} (--max-lora-rank)")
-        layers = raw.get("layers_to_transform")
-        if layers is not None:
-            layers = fields.int_list(layers, "layers_to_transform")
-        use_rslora = raw.get("use_rslora", False)
-        if not isinstance(use_rslora, bool):
-            raise AdapterInvalid(f"use_rslora must be true or false; got {use_rslora!r}")
-        config = cls(
-            r=r,
-            lora_alpha=fields.alpha(raw.get("lora_alpha", 8), "lora_alpha"),
-            use_rslora=use_rslora,
-            target_modules=fields.names_or_regex(raw, "target_modules"),
-            rank_pattern=rank_pattern,
-            alpha_pattern=alpha_pattern,
-            layers_to_transform=layers,
-            layers_pattern=fields.names(raw, "layers_pattern"),
-            exclude_modules=fields.names_or_regex(raw, "exclude_modules"),
-            target_parameters=fields.parameter_names(raw),
-        )
-        smallest_rank = min([r, *rank_pattern.values()])
-        for alpha, name in [(config.lora_alpha, "lora_alpha"), *((v, f"alpha_pattern[{k!r}]") for k, v in alpha_pattern.items())]:
-            _check_scale(config._scale_of(abs(alpha), smallest_rank), name)  # the largest scale it can give
-        return config
-
-    # ---- as PEFT applies it ----------------------------------------------------------------------
-
-    def targets(self, module: str) -> bool:
-        """Whether PEFT would put a LoRA on `module` (its name in the base model)."""
-        if self._excluded(module):
-            return False
-        if self._patterns["targets"] is not None:  # a regex: matched whole, layers_to_transform not applied
-            return self._patterns["targets"].fullmatch(module)
-        if module in self.target_modules:
-            return True
-        if not any(module.endswith(f".{t}") for t in self.target_modules):
-            return False
-        if not self.layers_to_transform:
-            return True
-        index = self._layer_index(module)
-        return index is not None and index in self.layers_to_transform
-
-    def targets_parameter(self, parameter: str) -> bool:
-        """Whether PEFT would put a LoRA on `parameter` (module name + parameter name) by `target_parameters`."""
-        return any(parameter == t or parameter.endswith(f".{t}") for t in self.target_parameters)
-
-    def rank(self, module: str) -> int:
-        return self.rank_pattern.get(self._pattern_key("rank", module), self.r)
-
-    def scale(self, module: str) -> float:
-        alpha = self.alpha_pattern.get(self._pattern_key("alpha", module), self.lora_alpha)
-        return self._scale_of(alpha, self.rank(module))
-
-    def _scale_of(self, alpha: float, rank: int) -> float:
-        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
-
-    def _excluded(self, module: str) -> bool:
-        if self._patterns["exclude"] is not None:
-            return self._patterns["exclude"].fullmatch(module)
-        return module in self.exclude_modules or any(module.endswith(f".{e}") for e in self.exclude_modules)
-
-    def _pattern_key(self, kind: str, module: str) -> str:
-        """The first pattern that matches the end of `module` (after a dot), as PEFT picks it."""
-        for key, pattern in self._patterns[kind]:
-            if pattern.match(module):
-                return key
-        return module
-
-    def _layer_index(self, module: str) -> int | None:
-        """The first numbered segment of a module name (the layer index), as PEFT finds it."""
-        if not self.layers_pattern:
-            match = _DEFAULT_LAYER_INDEX.match(module)
-        else:
-            match = None
-            for pattern in self._patterns["layers"]:
-                match = pattern.match(module)
-                if match is not None:
-                    break
-        return int(match.group("idx")) if match else None
-
-
 # Bounds on what an adapter may hold, checked at load (and on merges). Trained LoRA factors are
 # far below 1 in magnitude and scales (alpha / r) are around 0.5-4; values past these bounds are
 # corruption or an attack. Every value must also be finite. Anything that still overflows in the
 # arithmetic (e.g. in bfloat16) stays in the adapter's own rows: see `kernels.py`.
 MAX_LORA_WEIGHT = 1e3  # largest |entry| of lora_A / lora_B
-MAX_LORA_SCALE = 1e3  # largest |alpha / r| (or |alpha / sqrt(r)| with rsLoRA)
 
 MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
 MAX_HEADER_BYTES = 16 << 20  # a safetensors header takes ~200 bytes per tensor; thousands of modules fit
-
-_DEFAULT_LAYER_INDEX = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")
-
-
-def _check_scale(scale: float, name: str) -> None:
-    if not abs(scale) <= MAX_LORA_SCALE:
-        raise AdapterInvalid(f"{name}: the LoRA scale alpha / r = {scale:g} is beyond the bound {MAX_LORA_SCALE:g}")
-
 
 def check_weights(name: str, weights: "LoraWeights") -> None:
     """Refuse non-finite or out-of-bound LoRA factors and scales; `name` is the module's tensor prefix."""
@@ -217,7 +65,7 @@ def check_weights(name: str, weights: "LoraWeights") -> None:
             raise AdapterInvalid(
                 f"tensor {name}.{part}.weight holds a value of magnitude {largest:g}, beyond the bound {MAX_LORA_WEIGHT:g}"
             )
-    _check_scale(weights.scale, name)
+    check_scale(weights.scale, name)
 
 
 @dataclass
@@ -229,13 +77,17 @@ class LoraAdapter:
     token scope and revision) and gives each its own `entry_key`, so that they never share a slot.
 
     `flat`, when set, is one buffer that every module's A and B.T are views of, laid out as
-    `layout.Layout.of(modules)` says (`packed` makes it): an install copies it in one piece."""
+    `layout.Layout.of(modules)` says (`packed` makes it): an install copies it in one piece.
+
+    `load_token`: a load's own random token (the store's loads have one), which the prefix cache keys blocks by
+    (`cache_identity`) instead of hashing every weight in a cold load. Two loads of one adapter share no cached KV."""
 
     adapter_id: str
     modules: dict[str, LoraWeights]
     config: LoraConfig
     entry_key: str | None = None
     flat: torch.Tensor | None = None
+    load_token: bytes | None = None
 
     @property
     def key(self) -> str:
@@ -274,7 +126,7 @@ class LoraAdapter:
         layout = Layout.of(self.modules)
         first = next(iter(self.modules.values()))
         form = form if form is not None and first.a.is_cpu else FlatFormat(first.a.dtype)
-        flat = torch.zeros(layout.length, dtype=form.dtype, device=first.a.device, pin_memory=form.pinned)  # no stray bytes
+        flat = layout.empty(form.dtype, first.a.device, form.pinned)
         for name, (a, b) in layout.views(flat).items():
             w = self.modules[name]
             a.copy_(w.a)
@@ -289,6 +141,11 @@ class LoraAdapter:
         if isinstance(self.modules, PackedModules):
             return self.modules.layout
         return Layout.of(self.modules)
+
+    @property
+    def cache_identity(self) -> bytes:
+        """What the prefix cache keys this adapter's blocks by: its load's token, else its fingerprint."""
+        return self.load_token if self.load_token is not None else self.fingerprint
 
     @functools.cached_property
     def fingerprint(self) -> bytes:
@@ -436,12 +293,13 @@ def adapter_from_tensors(
     for module, (saved, a, b) in layout.modules.items():
         a_index, b_index = layout.pieces.get(module, ((), ()))
         modules[module] = LoraWeights(tensors[a][a_index], tensors[b][b_index], config.scale(saved))
-        _check_scale(modules[module].scale, _PREFIX + module)
+        check_scale(modules[module].scale, _PREFIX + module)
     # Converted once, as it is packed; then checked in one pass over the packed buffer (a pass per tensor holds the
     # interpreter hundreds of times: a load beside a running engine should not), per tensor only to name a bad one.
     adapter = LoraAdapter(adapter_id, modules, config).packed(form or FlatFormat(torch.float32))
     if adapter.flat is not None and adapter.flat.numel():
-        largest = adapter.flat.abs().amax().item()
+        low, high = torch.aminmax(adapter.flat)  # one pass, no temporary (NaN: both NaN)
+        largest = max(-float(low), float(high))
         if not (math.isfinite(largest) and largest <= MAX_LORA_WEIGHT):
             for module, weights in adapter.modules.items():
                 check_weights(_PREFIX + module, weights)

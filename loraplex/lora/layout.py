@@ -37,17 +37,18 @@ class Layout:
     """module name -> (offset of A, rank, in_features, offset of B.T, out_features), in elements; `length`: the
     buffer's. The same per module as tensors, in the entries' order, for the slot tables (`PointerTable`), which
     point at a buffer's modules without a Python pass over them: `offsets` [M, 2] int64 (A's, B.T's) and `ranks` [M]
-    int32."""
+    int32. `gaps`: the (start, end) spans no module covers (the alignment's padding), non-empty ones only."""
 
     entries: dict[str, tuple[int, int, int, int, int]]
     length: int
     offsets: torch.Tensor
     ranks: torch.Tensor
+    gaps: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, modules: Mapping[str, Any]) -> "Layout":
         """The layout of `modules` (name -> anything with `a` [r, in] and `b` [out, r]), in their order."""
-        entries, end = {}, 0
+        entries, end, spans = {}, 0, []
         for name, w in modules.items():
             rank, in_features = w.a.shape
             out_features = w.b.shape[0]
@@ -55,9 +56,18 @@ class Layout:
             b_at = a_at + _aligned(rank * in_features)
             end = b_at + _aligned(rank * out_features)
             entries[name] = (a_at, rank, in_features, b_at, out_features)
+            spans += [(a_at + rank * in_features, b_at), (b_at + rank * out_features, end)]
         offsets = torch.tensor([(e[0], e[3]) for e in entries.values()], dtype=torch.int64).reshape(-1, 2)
         ranks = torch.tensor([e[1] for e in entries.values()], dtype=torch.int32)
-        return cls(entries, end, offsets, ranks)
+        return cls(entries, end, offsets, ranks, tuple((a, b) for a, b in spans if a < b))
+
+    def empty(self, dtype: torch.dtype, device: torch.device | str = "cpu", pinned: bool = False) -> torch.Tensor:
+        """A buffer of this layout whose padding is zero (no stray bytes: the fingerprint hashes it) and whose modules'
+        spans are left for the caller to fill: one pass over the memory, not two."""
+        buffer = torch.empty(self.length, dtype=dtype, device=device, pin_memory=pinned)
+        for start, end in self.gaps:
+            buffer[start:end].zero_()
+        return buffer
 
     def views(self, buffer: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """module name -> (A [r, in], B [out, r]) as views of `buffer` (B the transposed view of its dense B.T)."""

@@ -56,6 +56,23 @@ def test_warm_up_leaves_the_engine_as_it_found_it(make_engine):
     assert allocator.num_free == free and allocator.num_used == 0
 
 
+def test_the_long_prompts_mix_two_adapters_in_one_step(make_engine):
+    """Steps of several adapters' rows take the tile kernels on CUDA: compiled in the warm-up, not in the first step
+    that mixes two users' adapters (which would stall every request in it)."""
+    engine = small_engine(make_engine)
+    adapters_per_step: list[set] = []
+    execute = engine.runner.execute
+
+    def recording(scheduled, *args):
+        adapters_per_step.append({item.request.adapter_key for item in scheduled})
+        return execute(scheduled, *args)
+
+    engine.runner.execute = recording
+    engine.warm_up()
+    assert adapters_per_step[0] == {WARM_UP_KEY, WARM_UP_KEY + "-2"}
+    assert engine.lora.occupant == [None, None]
+
+
 def test_outputs_after_a_warm_up_equal_those_of_a_cold_engine(make_engine):
     cold = small_engine(make_engine)
     adapter = adapter_over(cold.lora.base_shapes)

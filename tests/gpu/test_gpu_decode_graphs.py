@@ -228,3 +228,21 @@ def test_a_warmed_up_engine_has_every_graph_and_a_cold_engines_tokens():
     used = [all_linear, None] * 3
     assert tokens(warm, batch, used) == tokens(cold, batch, used)
     assert graphs.num_captured == 2 * len(graphs.sizes)  # nothing new to capture
+
+
+def test_after_the_warm_up_a_step_mixing_adapters_compiles_no_kernel(monkeypatch):
+    """engine/warm_up.py: the tile kernels a step of several adapters' rows takes are compiled in the warm-up, not in
+    the first such step (which stalled every request in it: a cold wave of 16 adapters waited ~1 s on the H100)."""
+    from loraplex.lora.step.kernels import sgmv
+
+    for launcher in (sgmv._shrink, sgmv._expand):  # what earlier tests launched is forgotten: counted from here
+        monkeypatch.setattr(launcher, "_compiled", {})
+    ours, config = llama(torch.float32)
+    warm = engine_for(ours, config, device=DEVICE, dtype=torch.float32, max_active_adapters=4, max_num_seqs=32)
+    warm.warm_up()
+    compiled = len(sgmv._shrink._compiled) + len(sgmv._expand._compiled)
+    assert compiled >= 2  # the warm-up launched both
+    first, second = (random_adapter(f"mixed-{k}", warm.lora.base_shapes, AdapterSpec(rank=8, alpha=16.0), 64, seed=k)
+                     for k in (4, 5))
+    assert len(tokens(warm, prompts(4, config.vocab_size, seed=3), [first, second] * 2)[0]) > 0
+    assert len(sgmv._shrink._compiled) + len(sgmv._expand._compiled) == compiled

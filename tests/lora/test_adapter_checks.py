@@ -14,7 +14,6 @@ import torch
 
 from loraplex.lora.adapter import (
     ADAPTER_CONFIG,
-    MAX_LORA_SCALE,
     MAX_LORA_WEIGHT,
     AdapterInvalid,
     LoraAdapter,
@@ -22,6 +21,7 @@ from loraplex.lora.adapter import (
     LoraWeights,
     load_adapter_dir,
 )
+from loraplex.lora.lora_config import MAX_LORA_SCALE
 from loraplex.lora.merge import merge_adapters
 from loraplex.lora.patterns import FALLBACK_BUDGET_S
 from tests.lora.test_store import BASE, MAX_RANK, P, lora_tensors, write_adapter

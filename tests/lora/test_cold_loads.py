@@ -101,6 +101,28 @@ def test_the_store_lays_adapters_out_in_the_engines_flat_format(tmp_path):
     assert adapter.fingerprint != reference.fingerprint  # not the same computation: never the same cached KV
 
 
+def test_a_store_load_hashes_no_weight_and_each_load_is_its_own_prefix_cache_identity(tmp_path):
+    """A cold load's pass over every weight for a fingerprint is spared: the prefix cache keys a store load's blocks by
+    the load's random token, so two loads of the same files (after an eviction) never share KV, and one load's
+    requests do. The padding between modules is zero all the same (the content fingerprint, named adapters' key,
+    hashes it)."""
+    write_adapter(tmp_path / "a", seed=2)
+    stores = [AdapterStore(BASE, MAX_RANK, roots=[tmp_path], default_source="local") for _ in range(2)]
+    try:
+        first, again, other = stores[0].load("a"), stores[0].load("a"), stores[1].load("a")
+    finally:
+        for store in stores:
+            store.close()
+    assert "fingerprint" not in first.__dict__  # never hashed by the load
+    assert again is first and len(first.load_token) == 16 and first.cache_identity == first.load_token
+    assert other.cache_identity != first.cache_identity  # another load of the same files
+    assert other.fingerprint == first.fingerprint  # the same weights, padding included
+    covered = torch.zeros(first.layout.length, dtype=torch.bool)
+    for a_at, rank, n_in, b_at, n_out in first.layout.entries.values():
+        covered[a_at:a_at + rank * n_in] = covered[b_at:b_at + rank * n_out] = True
+    assert not covered.all() and torch.all(first.flat[~covered] == 0)  # padding there is, and it is zero
+
+
 def test_an_adapter_in_the_slots_format_is_staged_without_a_copy(tmp_path):
     """A flat buffer already in the slots' dtype (pinned where copies to the device are asynchronous: the GPU suite
     checks that case) is what the slot reads or the copy to the device reads: no staging copy, nothing staged ahead."""

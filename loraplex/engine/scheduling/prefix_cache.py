@@ -4,7 +4,7 @@ A block's keys and values are a function of every token up to its end, the adapt
 and anything else the model read on the way (image features or states; an encoder-decoder's encoder
 input). So block i's hash is sha256(hash of block i-1, block i's tokens, the digest of the request's
 images when the block holds an image placeholder), and block 0's parent is the request's root key:
-sha256(adapter fingerprint, cache salt, encoder input). Two requests share a block only when all of
+sha256(adapter's cache identity, cache salt, encoder input). Two requests share a block only when all of
 that matches; a salt (vLLM's `cache_salt`) puts a tenant's requests in a cache space of their own, so
 another tenant cannot learn from timing which prefixes it holds (CVE-2025-46570).
 
@@ -20,9 +20,9 @@ from array import array
 from loraplex.engine.requests.request import Request
 
 
-def root_key(adapter_fingerprint: bytes | None, cache_salt: str | None, encoder_ids: list[int] | None) -> bytes:
+def root_key(adapter_identity: bytes | None, cache_salt: str | None, encoder_ids: list[int] | None) -> bytes:
     digest = hashlib.sha256(b"loraplex-prefix-v1")
-    for part in (adapter_fingerprint or b"", (cache_salt or "").encode(), _token_bytes(encoder_ids or [])):
+    for part in (adapter_identity or b"", (cache_salt or "").encode(), _token_bytes(encoder_ids or [])):
         digest.update(len(part).to_bytes(8, "little"))
         digest.update(part)
     return digest.digest()

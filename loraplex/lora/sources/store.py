@@ -280,7 +280,7 @@ class AdapterStore:
     ) -> LoraAdapter:
         try:
             adapter = read(key)
-            adapter.fingerprint  # hashed here, on the loading thread, not on the engine's
+            adapter.load_token = os.urandom(16)  # the prefix cache's key for it: its weights are not hashed
         except BaseException as exc:
             with self._lock:
                 self._loading.pop(key, None)
