@@ -45,6 +45,7 @@ class SamplingParams:
     min_tokens: int = 0
     min_tokens_stops: tuple[int, ...] = ()
     prompt_logprobs: bool = False
+    prompt_top_n: int = 0  # with prompt_logprobs: the likeliest tokens reported per prompt position (vLLM's k)
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the answer stays in its text
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: tokens outside it are never sampled
@@ -86,3 +87,14 @@ class TokenInfo:
     logprob: float | None
     special: bool = False
     top_tokens: list["TokenInfo"] = field(default_factory=list)
+    rank: int | None = None  # a prompt token's: 1 + the tokens at least as likely as it but itself (vLLM's)
+
+
+@dataclass(frozen=True)
+class PromptScore:
+    """A prompt token's score given the tokens before it: its logprob, its rank, and the likeliest (id, logprob)
+    pairs (`SamplingParams.prompt_top_n` of them)."""
+
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 
 # Each refused field and the values it is accepted at (its default, meaning "off").
+MAX_PROMPT_LOGPROBS = 20  # the likeliest tokens per prompt position (vLLM's default --max-logprobs)
+
 REFUSED_AT: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,), "length_penalty": (1.0,), "early_stopping": (False,), "guided_grammar": (None,),
     "guided_decoding_backend": (None, "auto"), "guided_whitespace_pattern": (None,), "structural_tag": (None,),
@@ -134,12 +136,11 @@ class SamplingFields(RequestModel):
     structured_outputs: dict[str, Any] | None = None
     # Prefix caching: requests share cached prompt blocks only with the same salt (vLLM's field).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
-    # vLLM's: the prompt tokens' logprobs (the actual token's; alternatives are refused: the engine scores only the
-    # prompt's own tokens); a stop string kept in the text; spaces between special tokens (our detokenizer, as a
+    # vLLM's: the prompt tokens' logprobs (each one's own, its rank, and this many likeliest tokens); a stop string kept in the text; spaces between special tokens (our detokenizer, as a
     # fast tokenizer's, puts none: both values are served as vLLM serves them with a fast tokenizer); only the
     # last N prompt tokens kept (left truncation); special tokens (BOS) added to the prompt (None: the route's
     # default, as vLLM's: true for completions, false for chat, whose template writes them).
-    prompt_logprobs: int | None = Field(default=None, ge=0)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_PROMPT_LOGPROBS)
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
@@ -201,11 +202,6 @@ class SamplingFields(RequestModel):
             raise Unsupported("allowed_token_ids must not be empty (leave it out to allow every token)",
                               "allowed_token_ids")
         refuse_unserved(self, REFUSED_AT)
-        if self.prompt_logprobs:
-            raise Unsupported(
-                "prompt_logprobs > 0 is not supported: the prompt's top alternatives are not computed; "
-                "prompt_logprobs: 0 gives each prompt token's own logprob", "prompt_logprobs",
-            )
         if self.prompt_logprobs is not None and self.stream:
             raise Unsupported("prompt_logprobs is not available when streaming", "prompt_logprobs")
         self.output_constraint()
@@ -232,7 +228,8 @@ class SamplingFields(RequestModel):
         unset = {name: value for name, value in defaults.items() if getattr(self, name) is None}
         return self.model_copy(update=unset) if unset else self
 
-    def to_sampling_params(self, max_tokens: int, top_n: int = 0, prompt_logprobs: bool = False) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, top_n: int = 0, prompt_logprobs: bool = False,
+                           prompt_top_n: int = 0) -> SamplingParams:
         """OpenAI semantics: temperature 0 (below SAMPLING_EPS, as vLLM) is greedy (other warpers off); otherwise
         sampling (default 1.0)."""
         greedy = SamplingParams(
@@ -240,7 +237,7 @@ class SamplingFields(RequestModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             repetition_penalty=self.repetition_penalty or 1.0, frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0, ignore_eos=self.ignore_eos, top_n_tokens=top_n,
-            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs, prompt_top_n=prompt_top_n, skip_special_tokens=self.skip_special_tokens,
             grammar=constraint[1] if (constraint := self.output_constraint()) else None, cache_salt=self.cache_salt,
             logit_bias=self.token_bias(), allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
             min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,

@@ -73,8 +73,7 @@ class CompletionLogprobs(BaseModel):
 
 
 class PromptLogprob(BaseModel):
-    """vLLM's Logprob, as its `prompt_logprobs` carry it. `rank` is None: the engine scores only the prompt's own
-    tokens, not the whole vocabulary (vLLM's field is optional)."""
+    """vLLM's Logprob, as its `prompt_logprobs` carry it: a token's logprob, its rank (1: the likeliest) and text."""
 
     logprob: float
     rank: int | None = None
@@ -85,10 +84,16 @@ PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 def prompt_logprobs_of(tokens: list[TokenInfo] | None, token_text: Callable[[int], str]) -> PromptLogprobs:
-    """vLLM's prompt_logprobs: None for the first prompt token (nothing predicts it), then {token id: Logprob} for
-    each prompt token."""
+    """vLLM's prompt_logprobs: None for the first prompt token (nothing predicts it), then for each prompt token
+    {token id: Logprob} of the token itself and of the likeliest tokens asked for (ranks 1..k; the prompt token's
+    entry is the same when it is one of them)."""
+
+    def entry(t: TokenInfo, rank: int | None) -> PromptLogprob:
+        return PromptLogprob(logprob=logprob(t.logprob), rank=rank, decoded_token=token_text(t.id))
+
     return [
-        None if t.logprob is None else {t.id: PromptLogprob(logprob=logprob(t.logprob), decoded_token=token_text(t.id))}
+        None if t.logprob is None else
+        {t.id: entry(t, t.rank)} | {a.id: entry(a, k) for k, a in enumerate(t.top_tokens, 1) if a.id != t.id}
         for t in tokens or []
     ]
 

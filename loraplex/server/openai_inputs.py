@@ -42,15 +42,17 @@ class Job:
 
 
 def sampling_params(
-    state: ServerState, body: SamplingFields, max_tokens: int, top_n: int = 0, prompt_logprobs: bool = False
+    state: ServerState, body: SamplingFields, max_tokens: int, top_n: int = 0, prompt_top_n: int | None = None
 ) -> SamplingParams:
+    """`top_n`: alternatives per generated token; `prompt_top_n`: per prompt token (None: the prompt is not scored)."""
     check_stop_sequences(state, len(body.stops))
     check_token_ids(state, "stop_token_ids", body.stop_token_ids or ())
     check_token_ids(state, "logit_bias", [token for token, _ in body.token_bias()])
     check_token_ids(state, "allowed_token_ids", body.allowed_token_ids or ())
     if body.min_tokens > max_tokens:
         raise BadRequest(f"min_tokens ({body.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
-    params = body.with_defaults(state.sampling_defaults).to_sampling_params(max_tokens, top_n, prompt_logprobs)
+    params = body.with_defaults(state.sampling_defaults).to_sampling_params(
+        max_tokens, top_n, prompt_top_n is not None, prompt_top_n or 0)
     return replace(params, bad_words_ids=bad_words_ids(state, body.bad_words or ())) if body.bad_words else params
 
 
@@ -133,10 +135,11 @@ def fill_in_the_middle(state: ServerState, body: CompletionRequest) -> tuple[int
     return fim
 
 
-def wants_prompt_logprobs(state: ServerState, body: SamplingFields, echo: bool = False, logprobs: bool = False) -> bool:
-    """Whether the engine must score the prompt: vLLM's prompt_logprobs, or completions' echo with logprobs. An
-    encoder-decoder model's prompt is encoded, not predicted: it has none (400)."""
-    wanted = body.prompt_logprobs is not None or (echo and logprobs)
+def prompt_scores(state: ServerState, body: SamplingFields, echo: bool = False, logprobs: int | None = None) -> int | None:
+    """How many likeliest tokens the engine reports per prompt token, or None when the prompt is not scored: vLLM's
+    prompt_logprobs, or completions' echo with logprobs (its prompt tokens carry top_logprobs as its generated ones
+    do). An encoder-decoder model's prompt is encoded, not predicted: it has none (400)."""
+    wanted = body.prompt_logprobs is not None or (echo and logprobs is not None)
     if wanted and state.model.is_encoder_decoder:
         param = "prompt_logprobs" if body.prompt_logprobs is not None else "echo"
         what = "prompt_logprobs asks" if param == "prompt_logprobs" else "echo with logprobs asks"
@@ -145,7 +148,7 @@ def wants_prompt_logprobs(state: ServerState, body: SamplingFields, echo: bool =
             f"(its prompt is encoded, not predicted); drop {'it' if param == 'prompt_logprobs' else 'echo or logprobs'}",
             param,
         )
-    return wanted
+    return max(body.prompt_logprobs or 0, (logprobs or 0) if echo else 0) if wanted else None
 
 
 def truncated(state: ServerState, ids: list[int], keep: int | None, images: ImageInputs | None = None):
@@ -170,10 +173,10 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> lis
     if runs > max(n, state.config.max_best_of):
         raise BadRequest(f"best_of > n must be <= {state.config.max_best_of} (max best of); got {runs}", "best_of")
     check_share(state, n, runs, len(prompts))
-    prompt_logprobs = wants_prompt_logprobs(state, body, bool(body.echo), body.logprobs is not None)
+    prompt_top_n = prompt_scores(state, body, bool(body.echo), body.logprobs)
     fim = fill_in_the_middle(state, body)
     max_tokens = body.max_tokens or default_max_tokens(state, 16)
-    params = sampling_params(state, body, max_tokens, body.logprobs or 0, prompt_logprobs)
+    params = sampling_params(state, body, max_tokens, body.logprobs or 0, prompt_top_n)
     tokenizer = state.tokenizer
     add_special = body.add_special_tokens is not False and fim is None  # FIM: the prefix token opens the prompt
     suffix_ids = await state.validation.run(tokenizer.encode, body.suffix, add_special_tokens=False) if fim else []
@@ -209,7 +212,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
     refusing(body.check)
     body.log_ignored()
     check_share(state, body.choices_per_prompt, body.choices_per_prompt, 1)
-    prompt_logprobs = wants_prompt_logprobs(state, body)
+    prompt_top_n = prompt_scores(state, body)
     plan = refusing(body.tool_plan)
     messages = refusing(body.template_messages)
     urls: list[str] = []
@@ -226,7 +229,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(state, max(1, room))
     check_prompt_and_budget(state, ids, max_tokens, "messages", "max_tokens")
     top_n = (body.top_logprobs or 0) if body.logprobs else 0
-    params = sampling_params(state, body, max_tokens, top_n, prompt_logprobs)
+    params = sampling_params(state, body, max_tokens, top_n, prompt_top_n)
     # Every tool's schema is compiled too, whatever the choice: a tool that could never be constrained is refused.
     await compile_grammars(state, [body.output_constraint(), *plan.schemas()])
     jobs = [Job(k, 0, ids, sp, images=images) for k, sp in enumerate(fan_out(params, body.choices_per_prompt))]

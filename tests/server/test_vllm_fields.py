@@ -61,13 +61,24 @@ def reference_logprobs(embedded_hf, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(embedded_hf(torch.tensor([ids])).logits[0].float(), -1)
 
 
-def check_prompt_logprobs(entries: list, ids: list[int], reference: torch.Tensor, tokenizer) -> None:
+def check_prompt_logprobs(entries: list, ids: list[int], reference: torch.Tensor, tokenizer, top: int = 0) -> None:
+    """Each prompt token's entry (the first has none): its own logprob and rank, and the `top` likeliest tokens with
+    ranks 1..top, all as transformers' log-softmax over the prompt gives them."""
     assert len(entries) == len(ids) and entries[0] is None
     for i in range(1, len(ids)):
-        assert list(entries[i]) == [str(ids[i])]  # the actual token (prompt_logprobs 0: no alternatives)
-        entry = entries[i][str(ids[i])]
-        assert abs(entry["logprob"] - reference[i - 1, ids[i]].item()) < 1e-4, (i, entry)
-        assert entry["decoded_token"] == tokenizer.token_text(ids[i]) and "rank" in entry
+        row = reference[i - 1]
+        tokens = [int(t) for t in entries[i]]
+        own_is_among_top = entries[i][str(ids[i])]["rank"] <= top  # then one entry is both
+        assert tokens[0] == ids[i] and len(set(tokens[1:])) == len(tokens) - 1 == top - own_is_among_top, (i, tokens)
+        kth = row.topk(top).values[-1].item() if top else None
+        for token, entry in zip(tokens, entries[i].values()):
+            value = row[token].item()
+            assert abs(entry["logprob"] - value) < 1e-4, (i, entry)
+            assert entry["decoded_token"] == tokenizer.token_text(token)
+            # vLLM's rank: how many tokens are at least as likely (bounds: near-ties may order either way)
+            assert int((row > value + 1e-4).sum()) + 1 <= entry["rank"] <= int((row >= value - 1e-4).sum()), (i, entry)
+            if token != ids[i]:  # an alternative: among the `top` likeliest
+                assert entry["rank"] <= top and value >= kth - 1e-4, (i, token, entry)
 
 
 # ---- prompt_logprobs -----------------------------------------------------------------------------
@@ -104,8 +115,33 @@ def test_chat_prompt_logprobs_beside_the_choices(http, tokenizer, embedded_hf):
     assert "prompt_logprobs" not in plain
 
 
+def test_prompt_logprobs_with_alternatives_on_both_routes(http, tokenizer, embedded_hf):
+    """vLLM's prompt_logprobs: k: each prompt position's k likeliest tokens beside the prompt's own."""
+    ids = tokenizer.encode(PROMPT)
+    answer = complete(http, prompt_logprobs=3, max_tokens=2)
+    check_prompt_logprobs(answer["choices"][0]["prompt_logprobs"], ids, reference_logprobs(embedded_hf, ids), tokenizer,
+                          top=3)
+    chat = http.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 1, "prompt_logprobs": 2})
+    assert chat.status_code == 200, chat.text
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(QUESTION), add_special_tokens=False)
+    check_prompt_logprobs(chat.json()["prompt_logprobs"], chat_ids, reference_logprobs(embedded_hf, chat_ids),
+                          tokenizer, top=2)
+
+
+def test_echo_with_logprobs_gives_the_prompt_tokens_top_logprobs(http, tokenizer, embedded_hf):
+    """OpenAI's echo with logprobs=k: the echoed prompt tokens carry their k likeliest tokens, as generated ones do."""
+    ids = tokenizer.encode(PROMPT)
+    logprobs = complete(http, echo=True, logprobs=2, max_tokens=1)["choices"][0]["logprobs"]
+    reference = reference_logprobs(embedded_hf, ids)
+    assert logprobs["top_logprobs"][0] is None and len(logprobs["top_logprobs"]) == len(ids) + 1
+    for i in range(1, len(ids)):
+        best = reference[i - 1].topk(2).indices.tolist()
+        expected = {tokenizer.token_text(t) for t in [ids[i], *best]}
+        assert set(logprobs["top_logprobs"][i]) == expected, (i, logprobs["top_logprobs"][i])
+
+
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])
-@pytest.mark.parametrize("body", [{"prompt_logprobs": 2}, {"prompt_logprobs": 0, "stream": True},
+@pytest.mark.parametrize("body", [{"prompt_logprobs": 21}, {"prompt_logprobs": 0, "stream": True},
                                   {"prompt_logprobs": -1}])
 def test_prompt_logprobs_refused_where_not_served(http, route, body):
     error = refused(http, route, body)

@@ -23,7 +23,7 @@ from loraplex.engine.sampling.sampler import (
     _draw,
     _draw_key,
     _filter,
-    token_logprobs,
+    token_scores,
 )
 
 sampler = Sampler()
@@ -401,10 +401,18 @@ def test_top_tokens_capped_at_vocab() -> None:
     assert [t for t, _ in out.top_tokens[0]] == [2, 1, 0]
 
 
-def test_token_logprobs() -> None:
+def test_token_scores() -> None:
+    """Each row's logprob of its id, its rank (vLLM's: how many tokens score at least as high) and the top k."""
     logits = random_logits(600, 50, 3.0, 10).to(torch.bfloat16)  # more rows than one chunk
     ids = torch.randint(0, 50, (600,), generator=torch.Generator().manual_seed(0))
-    got = token_logprobs(logits, ids)
-    assert got.dtype == torch.float32 and got.shape == (600,)
-    want = torch.log_softmax(logits.float(), dim=1).gather(1, ids.unsqueeze(1)).squeeze(1)
+    got, ranks, top_values, top_ids = token_scores(logits, ids, 5)
+    assert got.dtype == torch.float32 and got.shape == (600,) and top_ids.shape == (600, 5)
+    lp = torch.log_softmax(logits.float(), dim=1)
+    want = lp.gather(1, ids.unsqueeze(1)).squeeze(1)
     torch.testing.assert_close(got, want)
+    assert torch.equal(ranks, (lp >= want.unsqueeze(1)).sum(dim=1)) and int(ranks.min()) >= 1
+    order = lp.argsort(dim=1, descending=True, stable=True)
+    assert torch.equal(top_values, lp.gather(1, order[:, :5]))  # best first (ties: any of the tied ids)
+    torch.testing.assert_close(lp.gather(1, top_ids), top_values)
+    best = lp.argmax(dim=1)
+    assert torch.all(token_scores(logits, best, 0)[1] == (lp >= lp.max(dim=1, keepdim=True).values).sum(dim=1))

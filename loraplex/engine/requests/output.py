@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from loraplex.engine.worker.overlap import PENDING
 from loraplex.engine.requests.request import Request
 from loraplex.engine.sampling.verification import SampledToken
-from loraplex.params import FinishReason, TokenInfo
+from loraplex.params import FinishReason, PromptScore, TokenInfo
 from loraplex.engine.requests.grammars import advance
 from loraplex.tokenizer import IncrementalDetokenizer, find_stop
 
@@ -134,7 +134,7 @@ class OutputProcessor:
         prompt_tokens = None
         # An encoder's input is encoded, not predicted: it has no logprobs (None: the caller says so).
         if request.params.prompt_logprobs and request.prompt_logprobs is not None and request.encoder_ids is None:
-            prompt_tokens = [self.token_info(t, lp) for t, lp in zip(request.prompt_ids, request.prompt_logprobs)]
+            prompt_tokens = [self.prompt_token(t, score) for t, score in zip(request.prompt_ids, request.prompt_logprobs)]
         timings = {
             "queue": (request.first_scheduled_time or now) - request.arrival_time,
             "first_token": (stream.first_token_time or now) - request.arrival_time,
@@ -147,6 +147,14 @@ class OutputProcessor:
             num_generated_tokens=len(request.output_ids), seed=request.seed, timings=timings,
             token_times=stream.token_times,
         )
+
+    def prompt_token(self, token_id: int, score: PromptScore | None) -> TokenInfo:
+        """A prompt token with its score (None: nothing predicts it, or the head cannot produce it)."""
+        if score is None:
+            return self.token_info(token_id, None)
+        token = self.token_info(token_id, score.logprob)
+        token.rank, token.top_tokens = score.rank, [self.token_info(t, lp) for t, lp in score.top]
+        return token
 
     def token_info(self, token_id: int, logprob: float | None) -> TokenInfo:
         if self.tokenizer is None:

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex.params import FinishReason, SamplingParams
+from loraplex.params import FinishReason, PromptScore, SamplingParams
 
 
 class RequestRefused(ValueError):
@@ -35,7 +35,7 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     # Filled once by the first prefill that covers the prompt (never recomputed after preemption).
-    prompt_logprobs: list[float | None] | None = None
+    prompt_logprobs: list[PromptScore | None] | None = None
     first_scheduled_time: float | None = None
     adapter_key: str | None = None  # the store's key of its adapter (LoraAdapter.key); None: the base model
     adapter_slot: int | None = None  # the device slot of its adapter, while running

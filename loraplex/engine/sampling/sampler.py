@@ -36,7 +36,7 @@ from loraplex.params import SamplingParams
 # top_p / typical_p first look for the cut-off among a row's best few tokens (a cheap topk) and only
 # fall back to a full sort of the vocabulary for rows whose cut-off lies further out.
 _PREFIX_SIZES = (128, 2048)
-# token_logprobs materialises log_softmax for this many rows at a time (bounds memory for long prompts).
+# token_scores materialises log_softmax for this many rows at a time (bounds memory for long prompts).
 _LOGPROB_CHUNK = 256
 
 # Tokens per block of the two-level race (about sqrt(V) for V ~ 50k).
@@ -105,15 +105,27 @@ class Sampler:
         )
 
 
-def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(logits)[i, next_ids[i]]`` in float32, computed a chunk of rows at a time."""
+def token_scores(
+    logits: torch.Tensor, next_ids: torch.Tensor, top_n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row i, in float32, a chunk of rows at a time: ``log_softmax(logits)[i, next_ids[i]]``, its rank (how many
+    tokens score at least as high: 1 for the likeliest, as vLLM counts), and the `top_n` likeliest (logprobs [N, k],
+    ids [N, k], best first)."""
     next_ids = next_ids.to(device=logits.device, dtype=torch.long)
-    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-    for start in range(0, logits.shape[0], _LOGPROB_CHUNK):
+    rows = logits.shape[0]
+    chosen = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    ranks = torch.empty(rows, dtype=torch.long, device=logits.device)
+    top_values = torch.empty(rows, top_n, dtype=torch.float32, device=logits.device)
+    top_ids = torch.empty(rows, top_n, dtype=torch.long, device=logits.device)
+    for start in range(0, rows, _LOGPROB_CHUNK):
         end = start + _LOGPROB_CHUNK
         lp = torch.log_softmax(logits[start:end].float(), dim=1)
-        out[start:end] = lp.gather(1, next_ids[start:end].unsqueeze(1)).squeeze(1)
-    return out
+        mine = lp.gather(1, next_ids[start:end].unsqueeze(1))
+        chosen[start:end] = mine.squeeze(1)
+        ranks[start:end] = (lp >= mine).sum(dim=1)
+        if top_n:
+            top_values[start:end], top_ids[start:end] = lp.topk(top_n, dim=1)
+    return chosen, ranks, top_values, top_ids
 
 
 # ---------------------------------------------------------------------------------------------- penalties

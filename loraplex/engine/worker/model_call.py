@@ -17,7 +17,8 @@ from loraplex.engine.requests.images import ImageFeatures, VisionCounters, step_
 from loraplex.engine.scheduling.scheduler import ScheduledRequest
 from loraplex.lora.step.plan import LoraPlan
 from loraplex.models.base import ModelFamily, ModelInputs
-from loraplex.engine.sampling.sampler import token_logprobs
+from loraplex.engine.sampling.sampler import token_scores
+from loraplex.params import PromptScore
 
 
 class ModelCall:
@@ -89,9 +90,10 @@ def wants_prompt_logprobs(request) -> bool:
 
 def prompt_logprobs(
     item: ScheduledRequest, hidden: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor]
-) -> list[float | None]:
-    """Log-probabilities of the prompt tokens this step can score, given the tokens before each; `hidden`: the
-    request's rows of the step, `logits_of`: the head over some of them (with the request's adapter).
+) -> list[PromptScore | None]:
+    """The scores of the prompt tokens this step can score, given the tokens before each (their logprobs, ranks,
+    and the request's `prompt_top_n` likeliest tokens); `hidden`: the request's rows of the step, `logits_of`: the
+    head over some of them (with the request's adapter).
 
     Prompt token i is scored by the row of position i - 1, so a chunk [start, end) scores tokens
     start + 1 .. end; token 0 has none. Tokens already scored (before a preemption) are skipped.
@@ -99,7 +101,7 @@ def prompt_logprobs(
     request = item.request
     start = request.num_computed_tokens
     have = len(request.prompt_logprobs or [])
-    values: list[float | None] = [None] if have == 0 else []
+    values: list[PromptScore | None] = [None] if have == 0 else []
     first = max(have, start + 1)
     last = min(start + item.num_new_tokens, len(request.prompt_ids) - 1)  # inclusive
     if last >= first:
@@ -108,6 +110,8 @@ def prompt_logprobs(
         ids = request.prompt_ids[first : last + 1]
         producible = [0 <= t < logits.shape[1] for t in ids]
         targets = torch.tensor([t if ok else 0 for t, ok in zip(ids, producible)], device=logits.device)
-        scored = token_logprobs(logits, targets).tolist()
-        values += [v if ok else None for v, ok in zip(scored, producible)]
+        top_n = min(request.params.prompt_top_n, logits.shape[1])
+        chosen, ranks, top_values, top_ids = (t.tolist() for t in token_scores(logits, targets, top_n))
+        values += [PromptScore(lp, rank, tuple(zip(ids, lps))) if ok else None
+                   for lp, rank, lps, ids, ok in zip(chosen, ranks, top_values, top_ids, producible)]
     return values
