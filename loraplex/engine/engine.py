@@ -16,8 +16,6 @@ import logging
 import random
 import time
 
-import torch
-
 from loraplex.config import EngineConfig
 from loraplex.models.config import ModelConfig
 from loraplex.engine.containment import execute_contained, failed_install_results
@@ -27,7 +25,7 @@ from loraplex.engine.sampling.grammar_masks import GrammarMasks
 from loraplex.engine.requests.inputs import GrammarCache, InputLimits, InputProcessor, ProcessedInputs
 from loraplex.engine.scheduling.joins import WaitingJoins
 from loraplex.engine.loading import LoadedModel, load_model
-from loraplex.engine.memory import kv_cache_blocks, kv_cache_dtype
+from loraplex.engine.memory import apply_checkpoint_kv_scales, kv_cache_blocks, kv_cache_dtype
 from loraplex.engine.requests.output import OutputProcessor, RequestOutput, Stream, failed_output
 from loraplex.engine.worker.overlap import InFlight, drop_placeholders, in_flight
 from loraplex.engine.scheduling.prefix_cache import root_key
@@ -38,6 +36,7 @@ from loraplex.engine.scheduling.scheduler import ScheduledRequest, Scheduler, Sc
 from loraplex.engine.served_model import ServedModel
 from loraplex.engine.sampling.speculative import SpecDecodeCounters, propose_drafts
 from loraplex.engine.stats import AdapterTargets, EngineStats, engine_stats
+from loraplex.engine.step_metrics import StepMetrics
 from loraplex.engine.sampling.verification import SampledToken
 from loraplex.engine.warm_up import WarmUpReport, warm_up
 from loraplex.lora.adapter import LoraAdapter
@@ -105,7 +104,7 @@ class Engine:
             graphs=GraphSettings(min(config.max_num_seqs, GRAPH_BATCH_SIZES[-1]), self.max_total_tokens)
             if graphed else None, kv_cache_dtype=self.kv_cache_dtype,
         )
-        _apply_checkpoint_kv_scales(self, loaded)
+        apply_checkpoint_kv_scales(self, loaded)
         if self.runner.decode_graphs is not None:  # a step that admits runs eagerly: joins wait a little (joins.py)
             self.scheduler.joins = WaitingJoins(config.max_waiting_tokens, config.waiting_served_ratio)
         # At the first grammar the runner starts masking rows by their grammars (a function of the runner, not a
@@ -122,6 +121,7 @@ class Engine:
         )
         self._next_id = 0
         self.spec_decode = SpecDecodeCounters()
+        self.step_metrics = StepMetrics()  # LoRAX's batch metrics (engine/step_metrics.py)
         overlap = config.overlap_steps
         self._overlap = (self.runner.decode_graphs is not None if overlap is None else overlap) and (
             config.speculative_tokens == 0)
@@ -182,7 +182,8 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """A snapshot of the queues, caches and counters, from any thread (engine/stats.py)."""
-        return engine_stats(self.scheduler, self.runner.vision_counters, self.spec_decode, self.adapter_ids)
+        return engine_stats(self.scheduler, self.runner.vision_counters, self.spec_decode, self.adapter_ids,
+                            self.step_metrics.snapshot)
 
     @property
     def adapter_ids(self) -> dict[str, list[str]]:
@@ -283,7 +284,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Plan a step and run it (the overlapped loop when the engine was made with overlapped steps)."""
         self.adapters.free_retired()
-        return self._overlapped_step() if self._overlap else self._plain_step()
+        with self.step_metrics.step():  # counted once `_begin` names what it runs
+            return self._overlapped_step() if self._overlap else self._plain_step()
 
     def _plain_step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
@@ -317,6 +319,7 @@ class Engine:
             return []
         started = time.monotonic()
         outputs = self._install(plan)
+        self.step_metrics.begin(plan.scheduled)
         for item in plan.scheduled:
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = started
@@ -326,6 +329,7 @@ class Engine:
         try:
             results = self.runner.execute(plan.scheduled, plan.fresh_blocks, plan.fresh_state_blocks)
         except Exception as error:  # noqa: BLE001 — contained: only the requests it belongs to fail
+            self.step_metrics.failed()
             results = execute_contained(self.runner.execute, plan.scheduled, error, self.scheduler.config.block_size,
                                         plan.fresh_blocks, plan.fresh_state_blocks)
         return self._update(plan, results)
@@ -451,17 +455,6 @@ def _graphs_allowed(loaded: LoadedModel) -> bool:
     if blocker is not None and loaded.device.type == "cuda":
         log.warning("decode steps run without CUDA graphs: %s", blocker)
     return blocker is None
-
-
-def _apply_checkpoint_kv_scales(engine: "Engine", loaded: LoadedModel) -> None:
-    """A quantized checkpoint's calibrated KV-cache scales into an FP8 cache; with another cache they have no use."""
-    if not loaded.kv_scales:
-        return
-    if engine.kv_cache_dtype == torch.float8_e4m3fn:
-        engine.set_kv_scales(loaded.kv_scales)
-        log.info("FP8 KV cache: the checkpoint's scales for %d layers", len(loaded.kv_scales))
-    else:
-        log.warning("the checkpoint's KV-cache scales apply with --kv-cache-dtype fp8 only: not used")
 
 
 def _fit_to_rope(config: EngineConfig, model: ModelConfig) -> EngineConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -13,12 +14,26 @@ from loraplex.engine.scheduling.kv_cache import blocks_for
 from loraplex.engine.loading import LoadedModel
 from loraplex.layers.kv_quant import resolve_kv_cache_dtype
 
+log = logging.getLogger(__name__)
+
 CPU_KV_CACHE_CAP_BYTES = 2 << 30
 
 
 def kv_cache_dtype(cfg: EngineConfig, loaded: LoadedModel) -> torch.dtype:
     """What the KV cache stores (`--kv-cache-dtype`; KVCacheDtypeError where it cannot run)."""
     return resolve_kv_cache_dtype(cfg.kv_cache_dtype, loaded.dtype, loaded.device)
+
+
+def apply_checkpoint_kv_scales(engine, loaded: LoadedModel) -> None:
+    """A quantized checkpoint's calibrated KV-cache scales into the engine's FP8 cache; with another cache they
+    have no use."""
+    if not loaded.kv_scales:
+        return
+    if engine.kv_cache_dtype == torch.float8_e4m3fn:
+        engine.set_kv_scales(loaded.kv_scales)
+        log.info("FP8 KV cache: the checkpoint's scales for %d layers", len(loaded.kv_scales))
+    else:
+        log.warning("the checkpoint's KV-cache scales apply with --kv-cache-dtype fp8 only: not used")
 
 
 def kv_bytes_per_token(mc: ModelConfig, kv_dtype: torch.dtype) -> int:

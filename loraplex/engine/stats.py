@@ -4,10 +4,11 @@ adapter store needs to know of the base model. The server reads these, never the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.engine.step_metrics import StepMetricsSnapshot
 from loraplex.lora.layout import FlatFormat
 
 
@@ -30,14 +31,19 @@ class EngineStats:
     running_adapters: tuple[str, ...]  # distinct adapters (by the clients' ids) of running requests
     waiting_adapters: tuple[str, ...]
     max_adapters: int  # device slots for adapters
+    # LoRAX's reserved max tokens of the running batch: each running request's prompt + max_new_tokens.
+    batch_max_tokens: int = 0
+    steps: StepMetricsSnapshot = field(default_factory=StepMetricsSnapshot)  # per-step counts (step_metrics.py)
 
 
-def engine_stats(scheduler, vision_counters, spec_decode, adapter_ids: dict[str, list[str]]) -> EngineStats:
+def engine_stats(scheduler, vision_counters, spec_decode, adapter_ids: dict[str, list[str]],
+                 steps: StepMetricsSnapshot | None = None) -> EngineStats:
     """The snapshot from the scheduler's counters, the runner's vision counters (None: no vision tower), the
-    speculative-decoding counters and the adapters of running and waiting requests."""
+    speculative-decoding counters, the adapters of running and waiting requests and the step recorder's snapshot."""
     separate_states = scheduler.state_allocator is not scheduler.allocator
+    running = list(scheduler.running)  # one copy (the engine thread may change the list meanwhile)
     return EngineStats(
-        num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting), num_running=len(running),
         kv_cache_usage=scheduler.allocator.usage,
         state_cache_usage=scheduler.state_allocator.usage if separate_states else None,
         prefix_cache_queries=scheduler.prefix_queries, prefix_cache_hits=scheduler.prefix_hits,
@@ -47,6 +53,8 @@ def engine_stats(scheduler, vision_counters, spec_decode, adapter_ids: dict[str,
         spec_draft_tokens=spec_decode.draft_tokens, spec_accepted_tokens=spec_decode.accepted_tokens,
         running_adapters=tuple(adapter_ids["running"]), waiting_adapters=tuple(adapter_ids["waiting"]),
         max_adapters=scheduler.slots.num_slots,
+        batch_max_tokens=sum(r.num_input_tokens + r.params.max_new_tokens for r in running),
+        steps=steps if steps is not None else StepMetricsSnapshot(),
     )
 
 

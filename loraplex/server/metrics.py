@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from loraplex.params import FinishReason
 from loraplex.server import request_log
@@ -62,6 +63,7 @@ class Metrics:
         self.request_count = Gauge("lorax_request_count", "Requests received", ["adapter"], registry=c)
         self.request_success = Gauge("lorax_request_success", "Requests that finished", ["adapter"], registry=c)
         self.request_failure = Gauge("lorax_request_failure", "Requests that failed", ["err"], registry=c)
+        c.register(_BatchInferenceCounters(stats))
         self.duration = Histogram("lorax_request_duration", "End-to-end seconds", buckets=DURATION_BUCKETS, registry=r)
         self.validation_duration = Histogram(
             "lorax_request_validation_duration", "Seconds from a request's arrival to its queueing (parsing, checks, "
@@ -82,6 +84,9 @@ class Metrics:
         )
         self.input_length = Histogram(
             "lorax_request_input_length", "Prompt tokens per request", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.max_new_tokens = Histogram(
+            "lorax_request_max_new_tokens", "max_new_tokens per request", buckets=TOKEN_BUCKETS, registry=r
         )
         self.images = Counter("loraplex_images", "Images received in requests", registry=r)
         self.adapter_admin = Counter("loraplex_adapter_admin", "Run-time adapter loads and unloads, by outcome",
@@ -105,9 +110,11 @@ class Metrics:
         self._adapter_labels.add(adapter)
         return adapter
 
-    def on_request(self, num_prompt_tokens: int, adapter: str = BASE_ADAPTER) -> None:
+    def on_request(self, num_prompt_tokens: int, adapter: str = BASE_ADAPTER, max_new_tokens: int | None = None) -> None:
         self.request_count.labels(self._label(adapter)).inc()
         self.input_length.observe(num_prompt_tokens)
+        if max_new_tokens is not None:
+            self.max_new_tokens.observe(max_new_tokens)
         if (record := request_log.current()) is not None:
             if not record.queued:  # its first engine request (of its n choices): validated now
                 self.validation_duration.observe(time.perf_counter() - record.arrived)
@@ -224,6 +231,9 @@ class _EngineGauges:
         vllm = functools.partial(_vllm, self.model_name)
         yield _gauge("lorax_queue_length", "Requests waiting", stats.num_waiting)
         yield _gauge("lorax_batch_current_size", "Requests in the running batch", stats.num_running)
+        yield _gauge("lorax_batch_current_max_tokens", "Prompt + max_new_tokens of the running requests",
+                     stats.batch_max_tokens)
+        yield from _step_histograms(stats.steps)
         yield vllm(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting", stats.num_waiting)
         yield vllm(GaugeMetricFamily, "vllm:num_requests_running", "Requests running", stats.num_running)
         yield vllm(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV cache usage, 0..1", stats.kv_cache_usage)
@@ -249,6 +259,27 @@ class _EngineGauges:
         info.add_metric([self.model_name, ",".join(stats.running_adapters), ",".join(stats.waiting_adapters),
                          str(stats.max_adapters)], time.time())
         yield info
+
+    def describe(self):
+        return []
+
+
+class _BatchInferenceCounters:
+    """LoRAX's per-step counters by `method` (prefill|decode), from the stats snapshot; kept as gauges in the LoRAX
+    counters' registry, so that `Metrics.exposition` writes them as counters under their bare names."""
+
+    def __init__(self, stats: "Callable[[], EngineStats]") -> None:
+        self.stats = stats
+
+    def collect(self):
+        steps = self.stats().steps
+        for name, doc, counts in (("lorax_batch_inference_count", "Engine steps run", steps.count),
+                                  ("lorax_batch_inference_success", "Engine steps that succeeded", steps.success),
+                                  ("lorax_batch_inference_failure", "Engine steps that failed", steps.failure)):
+            family = GaugeMetricFamily(name, doc, labels=["method"])
+            for method, value in counts.items():
+                family.add_metric([method], value)
+            yield family
 
     def describe(self):
         return []
@@ -280,6 +311,23 @@ def _spec_decode_counters(stats: "EngineStats", vllm):
                stats.spec_draft_tokens)
     yield vllm(CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens", "Draft tokens the model accepted",
                stats.spec_accepted_tokens)
+
+
+def _step_histograms(steps):
+    """LoRAX's batch histograms from the step recorder's snapshot (engine/step_metrics.py): the requests each step
+    started (steps that started any), and successful steps' seconds by `method`."""
+    next_size = HistogramMetricFamily("lorax_batch_next_size", "Requests started by a step (steps that start any)")
+    next_size.add_metric([], _buckets(steps.next_size), steps.next_size.sum)
+    yield next_size
+    duration = HistogramMetricFamily("lorax_batch_inference_duration", "Seconds per successful engine step",
+                                     labels=["method"])
+    for method, histogram in steps.duration.items():
+        duration.add_metric([method], _buckets(histogram), histogram.sum)
+    yield duration
+
+
+def _buckets(histogram) -> list[tuple[str, int]]:
+    return [(floatToGoString(bound), count) for bound, count in histogram.cumulative()]
 
 
 def _vllm(model_name: str, family, name: str, doc: str, value: float):

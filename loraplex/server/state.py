@@ -135,7 +135,7 @@ class ServerState:
             seat = self.admit(len(prompt_ids), params.max_new_tokens)
         request_id = uuid.uuid4().hex
         label = adapter.adapter_id if adapter is not None else BASE_ADAPTER
-        self.metrics.on_request(len(prompt_ids), label)
+        self.metrics.on_request(len(prompt_ids), label, params.max_new_tokens)
         stream = self.engine.generate(prompt_ids, params, request_id, adapter, images)
         started, finished = time.perf_counter(), False
         try:
