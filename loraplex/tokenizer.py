@@ -66,7 +66,8 @@ class Tokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError(
@@ -74,7 +75,8 @@ class Tokenizer:
                 "use the plain completion API with a prompt string instead"
             )
         text = self.hf.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
         assert isinstance(text, str)
         return text

@@ -20,20 +20,25 @@ from loraplex.protocol.tools.prompt import default_rendering, writes_json_calls
 from loraplex.server.state import ServerState
 
 
-def chat_prompt(state: ServerState, messages: list[dict[str, Any]], plan: ToolPlan) -> str:
+def chat_prompt(
+    state: ServerState, messages: list[dict[str, Any]], plan: ToolPlan, add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
     """The prompt for `messages` with the plan's tools: natively when the tokenizer's chat template renders
     tools, else in the default rendering (protocol/tools/prompt.py). A vision model's processor template
-    (the one that places images) always gets the default rendering."""
+    (the one that places images) always gets the default rendering. The chat route always opens a new assistant
+    message; vLLM's /tokenize may ask otherwise (add_generation_prompt, continue_final_message)."""
     offered = [t.model_dump(exclude_none=True) for t in plan.offered] or None
+    opening = {"add_generation_prompt": add_generation_prompt}
+    if continue_final_message:  # passed only when asked: a template call as it always was otherwise
+        opening["continue_final_message"] = True
     processor = state.model.processor
     if processor is not None and getattr(processor, "chat_template", None):
-        return processor.apply_chat_template(
-            default_rendering(messages, offered), add_generation_prompt=True, tokenize=False
-        )
+        return processor.apply_chat_template(default_rendering(messages, offered), tokenize=False, **opening)
     tokenizer = state.tokenizer
     if tokenizer.renders_tools:
-        return tokenizer.apply_chat_template(messages, tools=offered)
-    return tokenizer.apply_chat_template(default_rendering(messages, offered))
+        return tokenizer.apply_chat_template(messages, tools=offered, **opening)
+    return tokenizer.apply_chat_template(default_rendering(messages, offered), **opening)
 
 
 def with_calls(reason: FinishReasonName, called: bool) -> FinishReasonName:

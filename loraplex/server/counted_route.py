@@ -78,13 +78,14 @@ _NATIVE: list[Count] = [
     ("inputs (chat messages)", lambda b: len(b.get("_messages", ())), "max_messages"),
     ("inputs (chat messages' content)", lambda b: _content_parts(b.get("_messages", [])), "max_content_parts"),
 ]
+_CHAT: list[Count] = [
+    ("messages", lambda b: len(_messages(b)), "max_messages"),
+    ("messages[].content", lambda b: _content_parts(_messages(b)), "max_content_parts"),
+    ("tools", lambda b: _length(b.get("tools")), "max_tools"),
+]
 COUNTED: dict[str, list[Count]] = {
-    "/v1/chat/completions": [
-        ("messages", lambda b: len(_messages(b)), "max_messages"),
-        ("messages[].content", lambda b: _content_parts(_messages(b)), "max_content_parts"),
-        ("tools", lambda b: _length(b.get("tools")), "max_tools"),
-        *_SAMPLING,
-    ],
+    "/v1/chat/completions": [*_CHAT, *_SAMPLING],
+    "/tokenize": _CHAT,  # vLLM's chat body: its lists bounded as the chat route bounds them
     "/v1/completions": [("prompt", _prompts, "max_concurrent_requests"), *_SAMPLING],
     "/generate": _NATIVE,
     "/generate_stream": _NATIVE,

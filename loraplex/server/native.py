@@ -29,6 +29,7 @@ from loraplex.protocol.native import (
     Token,
     TokenizeRequest,
 )
+from loraplex.protocol.vllm import TokenizeBody
 from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.multimodal import split_markdown_images
 from loraplex.protocol.errors import Unsupported
@@ -41,6 +42,7 @@ from loraplex.server.counted_route import CountedRoute
 from loraplex.server.limits import check_prompt_and_budget, check_stop_sequences
 from loraplex.server.request_log import note_adapter
 from loraplex.server.state import GenerationFailed, ServerState, adapter_header, get_state, run_to_end
+from loraplex.server.vllm_routes import tokenize_body, tokenize_vllm
 
 router = APIRouter(route_class=CountedRoute)  # bodies parsed and counted off the loop
 ERRORS = documented_errors(False, *NATIVE_GENERATE_ERRORS)
@@ -293,12 +295,20 @@ async def invocations(body: CompatGenerateRequest, request: Request):
     return await compat_generate(body, request)
 
 
-@router.post("/tokenize", responses=documented_errors(False, 413, 415, 422, 429))
-async def tokenize(body: TokenizeRequest, request: Request):
+TOKENIZE_ANSWERS = {200: {"description": "TGI's body: a list of {id, text, start, stop}; vLLM's bodies: {count, "
+                                          "max_model_len, tokens, token_strs}"}}
+
+
+@router.post("/tokenize", responses={**TOKENIZE_ANSWERS, **documented_errors(False, 404, 413, 415, 422, 429)},
+             summary="Text or chat messages to tokens (TGI's body, or vLLM's completion and chat bodies)")
+async def tokenize(raw: TokenizeBody, request: Request):
     # The tokens of `inputs`, at most --max-input-length of them (more: 422 naming the limit, refused before any
     # work per token, so the answer stays bounded); on the token routes' workers, never generation's (a full pool:
-    # 429 + Retry-After).
+    # 429 + Retry-After). vLLM's bodies (prompt, messages) are answered in vLLM's shape (server/vllm_routes.py).
     state = get_state(request)
+    body = tokenize_body(raw)
+    if not isinstance(body, TokenizeRequest):
+        return await tokenize_vllm(state, body)
     tokenizer, validation = state.tokenizer, state.validation
     with validation.token_routes():
         text, urls = split_markdown_images(body.inputs, image_placeholder(state))
