@@ -19,11 +19,13 @@ adapters).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 from dataclasses import dataclass
 from time import perf_counter
+from typing import Callable
 
 import torch
 
@@ -76,12 +78,18 @@ class WorkloadResult:
 
 
 def bench_workload(
-    workload: Workload, ours, batched, one_at_a_time, one_at_a_time_requests: int, repeats: int = 1
+    workload: Workload, ours, batched, one_at_a_time, one_at_a_time_requests: int, repeats: int = 1,
+    log: Callable[[str], None] = lambda line: None,
 ) -> WorkloadResult:
     """Time each system on the workload (one-at-a-time on its first requests); with repeats, the systems take turns
-    and each keeps its best time."""
+    and each keeps its best time. `log` is told what is timed next."""
     runs = [(ours, workload), (batched, workload), (one_at_a_time, workload.head(one_at_a_time_requests))]
-    rounds = [[measure(system, w) for system, w in runs] for _ in range(repeats)]
+
+    def timed(system, w: Workload):
+        log(f"{workload.name}: timing {system.name} on {w.num_requests} requests")
+        return measure(system, w)
+
+    rounds = [[timed(system, w) for system, w in runs] for _ in range(repeats)]
     (ours_m, ours_out), (batched_m, _), (one_m, one_out) = [min(c, key=lambda r: r[0].seconds) for c in zip(*rounds)]
     identical = sum(a == b for a, b in zip(ours_out, one_out))
     return WorkloadResult(workload, ours_m, batched_m, one_m, identical, repeats)
@@ -148,8 +156,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def progress(started: float) -> Callable[[str], None]:
+    """A line on stderr, stamped with the seconds since `started`, for each thing the benchmark starts."""
+    return lambda line: print(f"[{perf_counter() - started:5.0f}s] {line}", file=sys.stderr, flush=True)
+
+
+def missing_peft(args: argparse.Namespace) -> str | None:
+    """Why this run cannot start (the workload compares against PEFT, which `make install` does not bring), or None."""
+    needs = args.workload == "adapters" or (args.workload == "seq2seq" and args.adapters > 0)
+    if not needs or importlib.util.find_spec("peft") is not None:
+        return None
+    return (f"the {args.workload} workload compares loraplex's adapters against PEFT's, which is not installed: "
+            "`.venv/bin/pip install peft` (or `make install-test`)"
+            + (", or run it without adapters: --adapters 0" if args.workload == "seq2seq" else ""))
+
+
+HOW_TO_READ = """How to read this: `loraplex = Nx` is loraplex's output tokens/s over the peer's, on the same prompts in this
+run (only ratios from one run compare: the machine is shared). `transformers batched` runs all requests as one
+padded batch of model.generate (a static batch: good when requests are alike, wasteful when their lengths differ:
+the mixed workload); `transformers one-at-a-time` generates each request alone, as a server without batching does.
+The targets are the project's goals on a 2-core CPU; a loaded machine moves every ratio (--repeats 3 keeps each
+system's best of three turns). `sanity` counts requests whose greedy tokens equal transformers' exactly."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if (why := missing_peft(args)) is not None:
+        print(f"loraplex bench: {why}", file=sys.stderr)
+        return 2
     if args.workload == "vision":  # its own model (the example VLM) and peer
         from benchmarks.vision import bench_vision, format_vision
 
@@ -170,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     from loraplex.engine.loading import load_model
 
     started = perf_counter()
+    log = progress(started)
+    log("loading the model")
     config = EngineConfig(model_id=args.model_id)
     loaded = load_model(config)
     engine = Engine(loaded, config)
@@ -190,23 +226,29 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {os.getloadavg()[0]:.1f} (the machine is shared: read the ratios)", flush=True)
 
     warmup = equal_workload(2, vocab, special, prompt_len=16, new_tokens=4, seed=args.seed + 1, name="warmup")
+    log("warming up loraplex")
     ours.run(warmup)
     results = {}
     plain = [n for n in names if n in workloads]
     if plain:
+        log("loading transformers' copy of the model and warming it up")
         hf_model = load_hf_model(hf_path)
         peers = (HFBatched(hf_model, pad_id), HFOneAtATime(hf_model, pad_id))
         for system in peers:
             system.run(warmup)
         for name in plain:
-            results[name] = bench_workload(workloads[name](), ours, *peers, args.one_at_a_time_requests, args.repeats)
+            results[name] = bench_workload(workloads[name](), ours, *peers, args.one_at_a_time_requests, args.repeats,
+                                           log)
             print(format_result(results[name], setting), flush=True)
     if "adapters" in names:
+        log("the adapters workload: PEFT's model and the adapters")
         result = run_adapter_workload(args, loaded, engine, ours, load_hf_model(hf_path), pad_id, warmup, setting)
         results["adapters"] = result
         print(format_adapter_result(result, setting), flush=True)
     print(f"total benchmark time {perf_counter() - started:.0f}s (loading and warm-up included), "
           f"load average {os.getloadavg()[0]:.1f}")
+    if plain:
+        print(HOW_TO_READ)
 
     if args.json:
         figures = {"model_id": engine.model_id, "setting": setting, "torch_num_threads": torch.get_num_threads(),
