@@ -15,7 +15,8 @@ from loraplex.multimodal.image_inputs import ImageInputs
 from loraplex.params import SamplingParams
 from loraplex.protocol.errors import Unsupported
 from loraplex.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
-from loraplex.server.admission import sequences_per_request
+from loraplex.protocol.tools.definitions import ToolPlan
+from loraplex.server.admission import Overloaded, sequences_per_request
 from loraplex.server.chat_tools import ToolAnswers, chat_prompt
 from loraplex.server.errors import BadRequest
 from loraplex.server.grammars import compile_grammars
@@ -207,6 +208,26 @@ def default_max_tokens(state: ServerState, api_default: int) -> int:
     return api_default if cap is None else min(api_default, cap)
 
 
+async def chat_ids(
+    state: ServerState, messages: list[dict], plan: ToolPlan, add_special_tokens: bool, add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> tuple[list[int], ImageInputs | None]:
+    """The ids (and images) chat messages give the engine: the model's template with the tools' plan, each image's
+    placeholder tokens as its processor expands them (/v1/chat/completions, and vLLM's chat body of /tokenize)."""
+    urls: list[str] = []
+    if any(isinstance(m["content"], list) for m in messages):  # image parts: {"type": "image"} + their URLs
+        messages, urls = split_chat_images(messages)
+        check_takes_images(state, "messages")
+    try:  # templates can be slow: off the loop
+        prompt = await state.validation.run(chat_prompt, state, messages, plan, add_generation_prompt,
+                                            continue_final_message)
+    except Overloaded:  # the validation workers are busy: a 429, not the messages' fault
+        raise
+    except Exception as exc:  # no template, or the template refused these messages
+        raise BadRequest(f"messages cannot be turned into a prompt: {exc}", "messages") from exc
+    return await encode_prompt(state, prompt, urls, add_special_tokens, "messages")
+
+
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[list[Job], ToolAnswers]:
     """The request's jobs, and how to read their answers (text, or tool calls)."""
     refusing(body.check)
@@ -214,16 +235,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple
     check_share(state, body.choices_per_prompt, body.choices_per_prompt, 1)
     prompt_top_n = prompt_scores(state, body)
     plan = refusing(body.tool_plan)
-    messages = refusing(body.template_messages)
-    urls: list[str] = []
-    if any(isinstance(m["content"], list) for m in messages):  # image parts: {"type": "image"} + their URLs
-        messages, urls = split_chat_images(messages)
-        check_takes_images(state, "messages")
-    try:
-        prompt = await state.validation.run(chat_prompt, state, messages, plan)  # templates can be slow: off the loop
-    except Exception as exc:  # no template, or the template refused these messages
-        raise BadRequest(f"messages cannot be turned into a prompt: {exc}", "messages") from exc
-    ids, images = await encode_prompt(state, prompt, urls, bool(body.add_special_tokens), "messages")
+    ids, images = await chat_ids(state, refusing(body.template_messages), plan, bool(body.add_special_tokens))
     ids, images = truncated(state, ids, body.truncate_prompt_tokens, images)
     room = state.model.max_total_tokens - state.model.limits.sequence_tokens_of_prompt(len(ids))
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(state, max(1, room))

@@ -13,13 +13,10 @@ from pydantic import ValidationError
 
 from loraplex import __version__
 from loraplex.engine.requests.inputs import PromptTooLong
-from loraplex.multimodal import split_chat_images
 from loraplex.protocol.base import RequestModel
 from loraplex.protocol.vllm import DetokenizeRequest, TokenizeBody, TokenizeChatRequest, TokenizeCompletionRequest
-from loraplex.server.admission import Overloaded
-from loraplex.server.chat_tools import chat_prompt
 from loraplex.server.errors import BadRequest, ModelNotFound, documented_errors
-from loraplex.server.images import check_takes_images, encode_prompt
+from loraplex.server import openai_inputs
 from loraplex.server.openai_inputs import refusing
 from loraplex.server.state import ServerState, get_state
 
@@ -84,20 +81,8 @@ async def chat_ids(state: ServerState, body: TokenizeChatRequest) -> list[int]:
     the same template and tools, image placeholders expanded as the processor expands them), with vLLM's
     add_generation_prompt and continue_final_message."""
     refusing(body.check)
-    plan = refusing(body.tool_plan)
-    messages = refusing(body.template_messages)
-    urls: list[str] = []
-    if any(isinstance(m["content"], list) for m in messages):  # image parts: {"type": "image"} + their URLs
-        messages, urls = split_chat_images(messages)
-        check_takes_images(state, "messages")
-    try:
-        prompt = await state.validation.run(chat_prompt, state, messages, plan, body.add_generation_prompt,
-                                            body.continue_final_message)
-    except Overloaded:
-        raise
-    except Exception as exc:  # no template, or the template refused these messages
-        raise BadRequest(f"messages cannot be turned into a prompt: {exc}", "messages") from exc
-    ids, _ = await encode_prompt(state, prompt, urls, body.add_special_tokens, "messages")
+    ids, _ = await openai_inputs.chat_ids(state, refusing(body.template_messages), refusing(body.tool_plan),
+                                          body.add_special_tokens, body.add_generation_prompt, body.continue_final_message)
     return ids
 
 
