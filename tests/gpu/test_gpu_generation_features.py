@@ -88,3 +88,34 @@ def test_speculative_decoding_on_and_off(model):
     print(f"{dtype}: drafted {engine.spec_decode.draft_tokens}, accepted {engine.spec_decode.accepted_tokens}")
     assert engine.spec_decode.draft_tokens > 0
     agree(off, [r.token_ids for r in on], dtype)
+
+
+def test_constrained_rows_beside_plain_ones_under_graphs():
+    """OpenAI's logit_bias and vLLM's allowed_token_ids, bad_words and min_tokens (engine/sampling/constraints.py) on
+    a CUDA engine whose decode steps replay graphs, in one batch with plain requests: each request's tokens are those
+    it gets alone (float32: exactly), each restriction holds, and no row's bias or mask reaches another."""
+    hf = tiny_hf_model("llama", **SMOLLM2_SHAPE).to(DEVICE, torch.float32)
+    ours, config = ours_from_hf(hf, device=DEVICE, dtype=torch.float32)
+    engine = engine_for(ours, config, device=DEVICE, dtype=torch.float32)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(5, 30))] for _ in range(6)]
+    plain = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    free = [r.token_ids for r in engine.generate(prompts, plain)]
+    allowed = tuple(sorted({t for tokens in free for t in tokens[:3]}))[:5]
+    params = [
+        plain,
+        dataclasses.replace(plain, logit_bias=((7, 100.0),)),  # forced: every token is 7
+        dataclasses.replace(plain, allowed_token_ids=allowed),
+        dataclasses.replace(plain, bad_words_ids=((free[3][0],),)),  # the free answer's first token, never
+        dataclasses.replace(plain, min_tokens=12, min_tokens_stops=(free[4][0],)),  # masked for all 12
+        plain,
+    ]
+    alone = [engine.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
+    captured = engine.runner.decode_graphs.num_captured
+    together = [r.token_ids for r in engine.generate(prompts, params)]
+    assert captured > 0 and together == alone
+    assert together[0] == free[0] and together[5] == free[5]  # plain rows untouched by their neighbours' constraints
+    assert together[1] == [7] * 12
+    assert set(together[2]) <= set(allowed)
+    assert free[3][0] not in together[3]
+    assert free[4][0] not in together[4] and len(together[4]) == 12
