@@ -46,6 +46,8 @@ class SamplingParams:
     min_tokens_stops: tuple[int, ...] = ()
     prompt_logprobs: bool = False
     prompt_top_n: int = 0  # with prompt_logprobs: the likeliest tokens reported per prompt position (vLLM's k)
+    # An embedding request (engine/worker/pooling.py): its prompt's hidden rows pooled into one vector, nothing sampled.
+    pooling: "Pooling | None" = None
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the answer stays in its text
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: tokens outside it are never sampled
@@ -88,6 +90,20 @@ class TokenInfo:
     special: bool = False
     top_tokens: list["TokenInfo"] = field(default_factory=list)
     rank: int | None = None  # a prompt token's: 1 + the tokens at least as likely as it but itself (vLLM's)
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """How an embedding request's vector is made from the final (normed) hidden rows of its prompt: the last row,
+    the mean of all rows or the first row, then L2-normalised or not."""
+
+    method: str = "last"
+    normalize: bool = True
+
+    METHODS = ("last", "mean", "first")
+
+    def __post_init__(self) -> None:
+        assert self.method in self.METHODS, f"unknown pooling {self.method!r}"
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ class RequestOutput:
     timings: dict[str, float] = field(default_factory=dict)
     token_times: list[float] | None = None  # when finished: when each generated token was made (monotonic)
     error: str | None = None  # set (with finished=True) when the request failed; the text says why
+    embedding: list[float] | None = None  # when an embedding request finished: its vector
 
 
 @dataclass
@@ -128,7 +129,7 @@ class OutputProcessor:
             return FinishReason.LENGTH
         return None
 
-    def final_output(self, request: Request, token: TokenInfo, stream: Stream, now: float) -> RequestOutput:
+    def final_output(self, request: Request, token: TokenInfo | None, stream: Stream, now: float) -> RequestOutput:
         """The finished request's result (after the engine freed it: its placeholders are gone)."""
         text = stream.detokenizer.text[: stream.text_end] if stream.detokenizer else ""
         prompt_tokens = None

@@ -23,7 +23,7 @@ from loraplex.engine.sampling.constraints import constrains
 from loraplex.engine.sampling.grammar_masks import PendingMasks, apply_grammar_masks
 from loraplex.engine.scheduling.scheduler import ScheduledRequest
 from loraplex.engine.sampling.verification import SampledToken, sample_verified
-from loraplex.params import SamplingParams
+from loraplex.params import PromptScore, SamplingParams
 from loraplex.engine.sampling.sampler import Sampler
 
 NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request"
@@ -37,7 +37,8 @@ class StepResult:
     # drafts, the accepted ones and then the token the row after them drew (verification.py).
     tokens: list[SampledToken] = field(default_factory=list)
     # Log-probabilities of the prompt tokens this step covered (first prompt token: None).
-    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_logprobs: list[PromptScore | None] = field(default_factory=list)
+    embedding: list[float] | None = None  # an embedding request's vector, from the step that completes its prompt
     error: str | None = None  # set when this request's computation failed; the request fails alone
     # Set when it could not run this step because a request whose KV blocks it reads failed (containment.py):
     # it goes back to the queue and recomputes them.

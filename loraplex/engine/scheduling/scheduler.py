@@ -233,7 +233,9 @@ class Scheduler:
 
     def _cached_prefix(self, request: Request) -> list[int] | None:
         """The cached blocks a waiting request can start from; None when it looks nothing up."""
-        if not self.config.prefix_caching or request.cache_key is None or request.params.prompt_logprobs:
+        pooling = request.params.pooling  # pooled over all rows, or the first: every row must run
+        if (not self.config.prefix_caching or request.cache_key is None or request.params.prompt_logprobs
+                or (pooling is not None and pooling.method != "last")):
             return None
         assert request.num_computed_tokens == 0 and not request.block_ids, "a waiting request holds no blocks"
         most = (request.num_tokens - 1) // self.config.block_size  # its last token must run

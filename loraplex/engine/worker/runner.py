@@ -19,6 +19,7 @@ from loraplex.engine.worker.graph_inputs import HostPicks
 from loraplex.engine.sampling.logits import ForcedTokens, LogitsPipeline, StepResult, picked_results, plain_argmax
 from loraplex.engine.worker.model_call import ModelCall, prompt_logprobs, wants_prompt_logprobs
 from loraplex.engine.worker.overlap import LaunchedStep
+from loraplex.engine.worker.pooling import Pooler
 from loraplex.engine.scheduling.scheduler import ScheduledRequest
 from loraplex.environment import fused_projections_enabled
 from loraplex.kernels import triton_available
@@ -85,6 +86,7 @@ class ModelRunner:
         self.kv_caches = [caches[i] for i in range(num_layers)]
         self.batches = BatchBuilder(block_size, device, self.backend, model.inputs)
         self.model_call = ModelCall(model)
+        self.pooler = Pooler()  # embedding requests' partial sums, across their prompts' chunks
         self.image_features = self.model_call.image_features  # per-request image features (LLaVA-NeXT)
         self.vision_counters = self.model_call.vision_counters
         self.logits = LogitsPipeline(forced_tokens)
@@ -129,6 +131,7 @@ class ModelRunner:
     def forget(self, request_id: str) -> None:
         """Drop what the runner holds for a request that left the engine."""
         self.model_call.forget(request_id)
+        self.pooler.forget(request_id)
 
     # ---- overlapped steps (engine/worker/overlap.py) ---------------------------------------------------------------
 
@@ -201,7 +204,7 @@ class ModelRunner:
         )
         ctx = ForwardContext(batch.metadata, self.kv_caches, self.backend, lora)
         results = [StepResult() for _ in scheduled]
-        sample_seqs = [i for i, s in enumerate(scheduled) if s.completes_sequence]
+        sample_seqs = [i for i, s in enumerate(scheduled) if s.completes_sequence and s.request.params.pooling is None]
         # Structured output: the sampled rows' masks are filled on llguidance's threads while the model runs.
         masks = self._start_masks([scheduled[i].request for i in sample_seqs])
         with forward_context(ctx):
@@ -209,6 +212,8 @@ class ModelRunner:
             if sample_seqs:
                 self._sample(scheduled, sample_seqs, hidden, starts, lora, results, masks)
             for i, item in enumerate(scheduled):
+                if item.request.params.pooling is not None:
+                    results[i].embedding = self.pooler.add(item, hidden[starts[i] : starts[i + 1]])
                 if wants_prompt_logprobs(item.request):
                     def head(rows: torch.Tensor, slot: int | None = item.request.adapter_slot) -> torch.Tensor:
                         return self._logits(rows, lora, [slot], [rows.shape[0]])

@@ -1,0 +1,82 @@
+"""Embedding requests in the engine (engine/worker/pooling.py): a prompt's final hidden rows pooled into one vector,
+in the same steps as generation, against transformers' last hidden state on the same weights (and PEFT's, for an
+adapter)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from loraplex.params import Pooling, SamplingParams
+from tests.lora.peft_helpers import peft_model, save_and_load
+
+PROMPTS = [[1, 450, 3700, 17, 29, 88, 1024, 7, 300], [9, 9, 1201, 55, 77, 300, 14, 2048, 31, 5, 600, 4000, 12]]
+EMBED = SamplingParams(max_new_tokens=1)
+
+
+def embed(pooling: Pooling) -> SamplingParams:
+    return dataclasses.replace(EMBED, pooling=pooling)
+
+
+@torch.inference_mode()
+def reference(model, ids: list[int], pooling: Pooling) -> torch.Tensor:
+    """transformers: the final (normed) hidden state of the decoder, pooled the same way."""
+    hidden = model.model(torch.tensor([ids])).last_hidden_state[0].float()
+    vector = {"last": hidden[-1], "mean": hidden.mean(dim=0), "first": hidden[0]}[pooling.method]
+    return torch.nn.functional.normalize(vector, dim=0) if pooling.normalize else vector
+
+
+def cosine(a, b) -> float:
+    return torch.nn.functional.cosine_similarity(torch.tensor(a), b, dim=0).item()
+
+
+@pytest.mark.parametrize("pooling", [Pooling("last"), Pooling("mean"), Pooling("first"), Pooling("mean", False)],
+                         ids=lambda p: f"{p.method}{'' if p.normalize else '-raw'}")
+def test_vectors_equal_transformers_beside_a_generation(make_engine, embedded_hf, pooling):
+    engine = make_engine()
+    plain = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    alone = engine.generate([PROMPTS[0]], plain)[0].token_ids
+    outputs = engine.generate([PROMPTS[0], *PROMPTS], [plain, embed(pooling), embed(pooling)])
+    assert outputs[0].token_ids == alone and outputs[0].embedding is None  # the generation, untouched
+    for out, ids in zip(outputs[1:], PROMPTS):
+        want = reference(embedded_hf, ids, pooling)
+        assert out.finished and out.token_ids == [] and out.num_generated_tokens == 0
+        assert len(out.embedding) == want.shape[0] and cosine(out.embedding, want) >= 0.99999
+        if pooling.normalize:
+            assert abs(torch.tensor(out.embedding).norm().item() - 1.0) < 1e-5
+        else:
+            torch.testing.assert_close(torch.tensor(out.embedding), want, rtol=1e-4, atol=1e-4)
+    assert engine.scheduler.allocator.num_used == 0  # every block given back
+
+
+@pytest.mark.parametrize("method", ["mean", "first", "last"])
+def test_a_prompt_prefilled_in_chunks_pools_as_one(make_engine, method):
+    long = [int(t) for t in torch.randint(3, 40000, (150,), generator=torch.Generator().manual_seed(4))]
+    whole = make_engine().generate([long], embed(Pooling(method)))[0].embedding
+    chunked = make_engine(max_batch_prefill_tokens=64, max_input_length=200, max_total_tokens=256)
+    assert cosine(chunked.generate([long], embed(Pooling(method)))[0].embedding, torch.tensor(whole)) >= 0.99999
+
+
+def test_the_prefix_cache_serves_last_token_pooling(make_engine):
+    engine = make_engine(prefix_caching=True)
+    shared = [int(t) for t in torch.randint(3, 40000, (70,), generator=torch.Generator().manual_seed(5))]
+    first = engine.generate([shared], embed(Pooling("last")))[0].embedding
+    again = engine.generate([shared], embed(Pooling("last")))[0].embedding
+    assert engine.scheduler.prefix_hits > 0 and cosine(again, torch.tensor(first)) >= 0.99999
+    hits = engine.scheduler.prefix_hits
+    engine.generate([shared], embed(Pooling("mean")))  # every row must run: nothing looked up
+    assert engine.scheduler.prefix_hits == hits
+
+
+def test_an_adapter_embeds_as_peft(make_engine, embedded_hf, tmp_path):
+    engine = make_engine(max_active_adapters=2)
+    peft = peft_model(embedded_hf, seed=3, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    adapter = save_and_load(peft, tmp_path / "a", "tenant", engine.lora.base_shapes)
+    base, tuned = engine.generate([PROMPTS[1], PROMPTS[1]], embed(Pooling("mean")), adapters=[None, adapter])
+    with torch.inference_mode():
+        hidden = peft.base_model.model.model(torch.tensor([PROMPTS[1]])).last_hidden_state[0].float()
+    want = torch.nn.functional.normalize(hidden.mean(dim=0), dim=0)
+    assert cosine(tuned.embedding, want) >= 0.99999
+    assert cosine(base.embedding, want) < 0.999  # the adapter moved the vector: the comparison means something
