@@ -405,7 +405,8 @@ class Engine:
             request.num_computed_tokens += item.num_new_tokens - rejected
             request.states_ready = bool(request.num_states)  # made by its first step, if it has any
             if result.embedding is not None:  # an embedding request's prompt is complete: it ends with its vector
-                outputs.append(self._pooled(request, result.embedding, now))
+                stream = self._release(request, FinishReason.LENGTH)
+                outputs.append(self.outputs.final_output(request, None, stream, now, result.embedding))
             for token in result.tokens:  # one by one, as decoding without drafts: a stop drops those after it
                 output = self._append_token(request, token, now)
                 outputs.append(output)
@@ -425,13 +426,6 @@ class Engine:
             return RequestOutput(request.request_id, appended.token, seed=request.seed)
         stream = self._release(request, appended.finish)
         return self.outputs.final_output(request, appended.token, stream, now)
-
-    def _pooled(self, request: Request, embedding: list[float], now: float) -> RequestOutput:
-        """End an embedding request with its vector (nothing sampled); its KV blocks and adapter use are released."""
-        stream = self._release(request, FinishReason.LENGTH)
-        output = self.outputs.final_output(request, None, stream, now)
-        output.embedding = embedding
-        return output
 
     def _fail(self, request: Request, message: str) -> RequestOutput:
         """End a request whose computation failed; its KV blocks and adapter use are released."""

@@ -129,8 +129,10 @@ class OutputProcessor:
             return FinishReason.LENGTH
         return None
 
-    def final_output(self, request: Request, token: TokenInfo | None, stream: Stream, now: float) -> RequestOutput:
-        """The finished request's result (after the engine freed it: its placeholders are gone)."""
+    def final_output(self, request: Request, token: TokenInfo | None, stream: Stream, now: float,
+                     embedding: list[float] | None = None) -> RequestOutput:
+        """The finished request's result (after the engine freed it: its placeholders are gone); an embedding
+        request's carries its vector."""
         text = stream.detokenizer.text[: stream.text_end] if stream.detokenizer else ""
         prompt_tokens = None
         # An encoder's input is encoded, not predicted: it has no logprobs (None: the caller says so).
@@ -146,7 +148,7 @@ class OutputProcessor:
             token_ids=list(request.output_ids),
             prompt_tokens=prompt_tokens, num_prompt_tokens=request.num_input_tokens,
             num_generated_tokens=len(request.output_ids), seed=request.seed, timings=timings,
-            token_times=stream.token_times,
+            token_times=stream.token_times, embedding=embedding,
         )
 
     def prompt_token(self, token_id: int, score: PromptScore | None) -> TokenInfo:
