@@ -16,7 +16,7 @@ from loraplex.engine.stats import AdapterTargets
 from loraplex.lora.sources.named import AdapterModule
 from loraplex.lora.sources.store import AdapterStore
 from loraplex.protocol.openai import checked_sampling_defaults
-from loraplex.server import adapter_admin, native, openai_routes, playground, vllm_routes
+from loraplex.server import adapter_admin, embeddings, native, openai_routes, playground, vllm_routes
 from loraplex.server.docs import mount_docs
 from loraplex.server.errors import install_error_handlers
 from loraplex.server.metrics import Metrics
@@ -74,6 +74,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     app.include_router(playground.router)
     app.include_router(adapter_admin.router)
     app.include_router(vllm_routes.router)
+    app.include_router(embeddings.router)
 
     mount_docs(app)
 

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from loraplex.engine.requests.output import RequestOutput
 from loraplex.lora.adapter import LoraAdapter
 from loraplex.params import TokenInfo
+from loraplex.protocol.embeddings import EmbeddingRequest
 from loraplex.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 from loraplex.protocol.openai_responses import (
     ChatChoice,
@@ -74,7 +75,7 @@ class Served:
     adapter: LoraAdapter | None = None
 
 
-async def resolve_model(state: ServerState, body: SamplingFields) -> Served:
+async def resolve_model(state: ServerState, body: SamplingFields | EmbeddingRequest) -> Served:
     """"" / no model / the base model id: the base model; anything else is an adapter id, loaded now. LoRAX's
     `adapter_id` extra names the adapter too (with `model` empty, the base model's id, or the same adapter).
 
@@ -120,7 +121,7 @@ async def retrieve_model(model_id: str, request: Request):
 # ---- running: n engine requests at once ----------------------------------------------------------
 
 
-async def _all_or_none(coros: list) -> list:
+async def all_or_none(coros: list) -> list:
     """Run concurrently; when one fails (or the caller is cancelled) cancel the rest and wait for them."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
@@ -139,7 +140,7 @@ def admit_jobs(state: ServerState, jobs: list[Job]) -> list[Seat]:
 async def run_all(state: ServerState, jobs: list[Job], adapter: LoraAdapter | None) -> list[Finished]:
     seats = admit_jobs(state, jobs)
     try:
-        return await _all_or_none([
+        return await all_or_none([
             run_to_end(state, job.prompt_ids, job.params, adapter, job.images, seat) for job, seat in zip(jobs, seats)
         ])
     finally:  # each run gives its seat back as it ends; these are the runs cancelled before they began
@@ -159,7 +160,7 @@ async def start_all(state: ServerState, jobs: list[Job], adapter: LoraAdapter | 
         return await anext(stream)
 
     try:
-        return list(zip(streams, await _all_or_none([first(s) for s in streams])))
+        return list(zip(streams, await all_or_none([first(s) for s in streams])))
     except BaseException:
         for s in streams:
             await s.aclose()

@@ -37,7 +37,7 @@ OPERATIONS = [
     ("POST", "/tokenize"), ("GET", "/health"), ("GET", "/ping"), ("GET", "/info"), ("GET", "/metrics"),
     ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"), ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
-    ("GET", "/version"), ("POST", "/detokenize"),
+    ("GET", "/version"), ("POST", "/detokenize"), ("POST", "/v1/embeddings"), ("POST", "/embed"),
 ]
 CAPPED = {"max_new_tokens": 2, "max_tokens": 2, "max_completion_tokens": 2, "n": 2, "best_of": 2}
 SENT: Counter = Counter()  # (operation, mode, status class) -> requests

@@ -198,7 +198,7 @@ def test_the_checks_can_fail(app, serve_flags, exposition):
     """A route the app lacks, or a method it does not take there, a flag serve lacks and a series /metrics lacks are
     all told apart from those it has."""
     assert _served(app, "GET", "/health") and _served(app, "GET", "/v1/models/{model_id}")
-    assert not _served(app, "POST", "/embed") and not _served(app, "GET", "/generate")
+    assert not _served(app, "POST", "/classify") and not _served(app, "GET", "/generate")
     assert "--max-active-adapters" in serve_flags and "--num-shard" not in serve_flags
     assert _written("vllm:prompt_tokens_total", exposition) and _written("lorax_request_count", exposition)
     assert not _written("vllm:request_params_n", exposition)
