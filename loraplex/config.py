@@ -144,6 +144,12 @@ class ServerConfig:
              "running); a request past it gets 429 with a Retry-After header, but one is always admitted when none "
              "is in flight (default: off; a few times the KV cache, /info's max_batch_total_tokens, bounds the "
              "queue's wait)")
+    # Embeddings: how the routes pool the prompt's final hidden rows (None: as the checkpoint's sentence-transformers
+    # files say, else the last token's, L2-normalised).
+    pooling: str | None = setting(choices=("last", "mean", "cls", "max"),
+                                  help="embeddings: the pooling over the prompt's final hidden states (default: the "
+                                       "checkpoint's sentence-transformers pooling, else the last token's; "
+                                       "L2-normalised unless the checkpoint says otherwise)")
     max_stop_sequences: int = setting(4, type=_non_negative, help="stop sequences a request may send (0: none)")
     # How many entries each list of a request may have, counted before any work per entry (server/limits.py).
     max_messages: int = setting(4096, type=_positive, help="chat messages in one request")
@@ -239,7 +245,7 @@ HELP_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
         "waiting_served_ratio", "speculative_tokens", "cuda_memory_fraction", "adapter_memory_fraction")),
     "server": ("where it listens, who may call it, and how it answers and stops", (
         "json_output", "default_max_tokens", "generation_config", "api_keys", "cors_allow_origin",
-        "served_model_name", "validation_workers")),
+        "served_model_name", "validation_workers", "pooling")),
     "limits": ("what one request may send or ask for (more is refused), how many run at once and for how long, "
                "and where images may come from", (
         "max_grammar_bytes", "grammar_compile_timeout_s", "max_concurrent_requests",

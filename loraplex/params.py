@@ -95,12 +95,12 @@ class TokenInfo:
 @dataclass(frozen=True)
 class Pooling:
     """How an embedding request's vector is made from the final (normed) hidden rows of its prompt: the last row,
-    the mean of all rows or the first row, then L2-normalised or not."""
+    the mean of all rows, the first row or each feature's largest value, then L2-normalised or not."""
 
     method: str = "last"
     normalize: bool = True
 
-    METHODS = ("last", "mean", "first")
+    METHODS = ("last", "mean", "first", "max")
 
     def __post_init__(self) -> None:
         assert self.method in self.METHODS, f"unknown pooling {self.method!r}"

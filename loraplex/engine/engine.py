@@ -66,6 +66,7 @@ class Engine:
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
         self.processor = loaded.processor  # None for text-only models
+        self.pooling = loaded.pooling  # how its embeddings are made (checkpoints/pooling_config.py)
         self.model_id = loaded.model_id
         self.device, self.dtype = loaded.device, loaded.dtype
         self.kv_cache_dtype = kv_cache_dtype(config, loaded)
@@ -177,7 +178,7 @@ class Engine:
             kv_cache_dtype=name(self.kv_cache_dtype), limits=self.inputs.limits,
             kv_capacity_tokens=self.kv_capacity_tokens, bos_token_id=self.model_config.bos_token_id,
             sampling_defaults=self.model_config.sampling_defaults, settings=self.config,
-            adapter_targets=self.adapter_targets(),
+            adapter_targets=self.adapter_targets(), pooling=self.pooling,
         )
 
     def stats(self) -> EngineStats:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from loraplex.checkpoints.pooling_config import EmbeddingPooling, read_pooling
 from loraplex.checkpoints.sources import resolve_model
 from loraplex.checkpoints.weights import ModelSource, load_into, load_state_dict, read_json, renamed_state
 from loraplex.config import EngineConfig
@@ -44,6 +45,8 @@ class LoadedModel:
     processor: Any = None
     # A quantized checkpoint's calibrated KV-cache scales, {layer index: (k_scale, v_scale)}: an FP8 cache uses them.
     kv_scales: dict | None = None
+    # How its embeddings are made (checkpoints/pooling_config.py: the sentence-transformers files, else the default).
+    pooling: EmbeddingPooling = EmbeddingPooling()
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -153,8 +156,10 @@ def load_model(
         tokenizer.hf.chat_template = pathlib.Path(config.chat_template).read_text()
     takes_images = model_config.vision is not None or model_config.mllama is not None
     processor = _processor(source) if takes_images else None
+    pooling = read_pooling(source.path)
     log(f"model loaded in {time.perf_counter() - started:.1f}s")
-    return LoadedModel(model, model_config, tokenizer, device, dtype, source.model_id, processor, kv_scales or None)
+    return LoadedModel(model, model_config, tokenizer, device, dtype, source.model_id, processor, kv_scales or None,
+                       pooling)
 
 
 def _processor(source: ModelSource):

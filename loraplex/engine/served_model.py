@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from loraplex.checkpoints.pooling_config import EmbeddingPooling
 from loraplex.config import EngineConfig
 from loraplex.engine.requests.inputs import InputLimits
 from loraplex.engine.stats import AdapterTargets
@@ -29,6 +30,7 @@ class ServedModel:
     sampling_defaults: tuple[tuple[str, float], ...]  # generation_config.json's, for the OpenAI routes
     settings: EngineConfig  # the engine's settings, as fitted to the model
     adapter_targets: AdapterTargets  # what an adapter store needs of the base model
+    pooling: EmbeddingPooling = EmbeddingPooling()  # how its embeddings are made (the embedding routes read it)
 
     @property
     def is_encoder_decoder(self) -> bool:

@@ -36,21 +36,30 @@ from loraplex.server.state import Finished, ServerState, adapter_header, get_sta
 
 router = APIRouter(route_class=CountedRoute)  # bodies parsed and counted off the loop
 
-DEFAULT_POOLING = Pooling("last", normalize=True)  # vLLM's default for decoder models
+FLAG_METHODS = {"cls": "first"}  # --pooling's names (sentence-transformers') for Pooling's methods
 
 
-def check_embeddable(state: ServerState, param: str) -> None:
+def pooling_of(state: ServerState, param: str) -> tuple[Pooling, str]:
+    """How this server pools, and the prompt put before each text: --pooling, else the checkpoint's
+    sentence-transformers configuration, else the last token's state, L2-normalised (checkpoints/pooling_config.py)."""
     if state.model.is_encoder_decoder:
         raise BadRequest("embeddings are not served for encoder-decoder models yet (the encoder's pooled output is "
                          "still to come)", param)
+    model = state.model.pooling
+    if state.config.pooling is not None:
+        return Pooling(FLAG_METHODS.get(state.config.pooling, state.config.pooling), model.pooling.normalize), model.prompt
+    if model.refusal is not None:
+        raise BadRequest(f"this model's embeddings cannot be served as it defines them: {model.refusal} (--pooling "
+                         "picks one)", param)
+    return model.pooling, model.prompt
 
 
-async def prompt_ids(state: ServerState, item: str | list[int], param: str) -> list[int]:
-    """One input's token ids: a text tokenized off the loop (bounded in characters first), or ids checked against
-    the vocabulary; bounded by --max-input-length."""
+async def prompt_ids(state: ServerState, item: str | list[int], param: str, prefix: str = "") -> list[int]:
+    """One input's token ids: a text (after `prefix`, the checkpoint's prompt) tokenized off the loop (bounded in
+    characters first), or ids checked against the vocabulary; bounded by --max-input-length."""
     if isinstance(item, str):
-        state.validation.check_length(item, param)
-        ids = await state.validation.run(state.tokenizer.encode, item, add_special_tokens=True)
+        state.validation.check_length(prefix + item, param)
+        ids = await state.validation.run(state.tokenizer.encode, prefix + item, add_special_tokens=True)
     else:
         vocab = state.tokenizer.vocab_size
         if any(not 0 <= token < vocab for token in item):
@@ -60,9 +69,10 @@ async def prompt_ids(state: ServerState, item: str | list[int], param: str) -> l
     return ids
 
 
-async def embed_all(state: ServerState, inputs: list[list[int]], adapter: LoraAdapter | None) -> list[Finished]:
+async def embed_all(state: ServerState, inputs: list[list[int]], adapter: LoraAdapter | None,
+                    pooling: Pooling) -> list[Finished]:
     """Every input's pooled vector, its requests run at once (a seat each: all or none)."""
-    params = SamplingParams(max_new_tokens=1, pooling=DEFAULT_POOLING)
+    params = SamplingParams(max_new_tokens=1, pooling=pooling)
     seats = state.admit_all([(len(ids), 1) for ids in inputs])
     try:
         return await all_or_none([run_to_end(state, ids, params, adapter, None, seat)
@@ -85,7 +95,7 @@ def shortened(vector: list[float], dimensions: int | None, hidden: int) -> list[
 @router.post("/v1/embeddings", responses=documented_errors(True, 400, 404, 413, 429))
 async def embeddings(body: EmbeddingRequest, request: Request):
     state = get_state(request)
-    check_embeddable(state, "input")
+    pooling, prefix = pooling_of(state, "input")
     items = body.inputs()
     if not items or any(not item for item in items):
         raise BadRequest("input must not be empty (nor hold an empty text or list)", "input")
@@ -93,9 +103,9 @@ async def embeddings(body: EmbeddingRequest, request: Request):
     if len(items) > share:
         raise BadRequest(f"input may hold at most {share} inputs (--max-sequences-per-request); got {len(items)}",
                          "input")
-    inputs = [await prompt_ids(state, item, "input") for item in items]
+    inputs = [await prompt_ids(state, item, "input", prefix) for item in items]
     served = await resolve_model(state, body)
-    results = await embed_all(state, inputs, served.adapter)
+    results = await embed_all(state, inputs, served.adapter, pooling)
     data = [EmbeddingData(embedding=encoded(shortened(r.final.embedding, body.dimensions, len(r.final.embedding)),
                                             body.encoding_format), index=i) for i, r in enumerate(results)]
     tokens = sum(len(ids) for ids in inputs)
@@ -108,15 +118,15 @@ async def embeddings(body: EmbeddingRequest, request: Request):
 async def embed(body: EmbedRequest, request: Request):
     """LoRAX's route: one text's vector, on the adapter its parameters name."""
     state = get_state(request)
-    check_embeddable(state, "inputs")
+    pooling, prefix = pooling_of(state, "inputs")
     if not body.inputs:
         raise BadRequest("inputs must not be empty", "inputs")
     p = body.parameters
     if p.adapter_id and p.merged_adapters:
         raise BadRequest("give adapter_id or merged_adapters, not both", "merged_adapters")
-    ids = await prompt_ids(state, body.inputs, "inputs")
+    ids = await prompt_ids(state, body.inputs, "inputs", prefix)
     note_adapter(p.adapter_id, p.merged_adapters.ids if p.merged_adapters else ())
     adapter_id = p.adapter_id or (state.config.default_adapter_id if not p.merged_adapters else None)
     adapter = await state.adapter(adapter_id, p.adapter_source, merge_spec(p.merged_adapters), p.api_token)
-    (result,) = await embed_all(state, [ids], adapter)
+    (result,) = await embed_all(state, [ids], adapter, pooling)
     return JSONResponse(EmbedResponse(embeddings=result.final.embedding).model_dump(), headers=adapter_header(adapter))

@@ -1,7 +1,7 @@
 """Embedding requests' vectors: the final hidden rows of a prompt pooled as its `Pooling` says (params.py).
 
 A prompt may be prefilled over several steps (chunks): the mean keeps a running sum and count, the first row is kept
-from the step that starts the prompt, the last row comes with the step that completes it. A request that starts
+from the step that starts the prompt, the largest values are kept as they come, the last row comes with the step that completes it. A request that starts
 again (preempted and recomputed) starts its sums again. Sums are float32, whatever the model's dtype.
 """
 
@@ -19,6 +19,7 @@ class _Partial:
     total: torch.Tensor | None = None
     count: int = 0
     first: torch.Tensor | None = None
+    largest: torch.Tensor | None = None
 
 
 class Pooler:
@@ -39,6 +40,9 @@ class Pooler:
             partial.count += rows.shape[0]
         elif pooling.method == "first" and request.num_computed_tokens == 0:
             partial.first = rows[0].float()
+        elif pooling.method == "max":
+            chunk = rows.float().amax(dim=0)
+            partial.largest = chunk if partial.largest is None else torch.maximum(partial.largest, chunk)
         if not item.completes_sequence:
             return None
         del self._partial[request.request_id]
@@ -47,6 +51,8 @@ class Pooler:
         elif pooling.method == "first":
             assert partial.first is not None, "the first row was not pooled: the prompt did not start from token 0"
             vector = partial.first
+        elif pooling.method == "max":
+            vector = partial.largest
         else:
             vector = rows[-1].float()
         if pooling.normalize:
