@@ -80,3 +80,24 @@ def test_an_adapter_embeds_as_peft(make_engine, embedded_hf, tmp_path):
     want = torch.nn.functional.normalize(hidden.mean(dim=0), dim=0)
     assert cosine(tuned.embedding, want) >= 0.99999
     assert cosine(base.embedding, want) < 0.999  # the adapter moved the vector: the comparison means something
+
+
+def test_embeddings_of_three_adapters_beside_generations_equal_their_runs_alone(make_engine, embedded_hf, tmp_path):
+    """One batch: embeddings over three adapters and the base, and generations over two of the adapters; each gets the
+    vector or the tokens it gets alone (a row's adapter never reaches another row)."""
+    engine = make_engine(max_active_adapters=4)
+    adapters = [save_and_load(peft_model(embedded_hf, seed=s, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+                              tmp_path / f"a{s}", f"a{s}", engine.lora.base_shapes) for s in (11, 12, 13)]
+    plain = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    jobs = [(PROMPTS[0], embed(Pooling("mean")), adapters[0]), (PROMPTS[1], plain, adapters[1]),
+            (PROMPTS[1], embed(Pooling("last")), adapters[2]), (PROMPTS[0], plain, adapters[2]),
+            (PROMPTS[1], embed(Pooling("mean")), None), (PROMPTS[0], embed(Pooling("last")), adapters[1])]
+    alone = [engine.generate([p], [sp], adapters=[a])[0] for p, sp, a in jobs]
+    together = engine.generate([p for p, _, _ in jobs], [sp for _, sp, _ in jobs], adapters=[a for _, _, a in jobs])
+    for one, mixed, (_, params, _) in zip(alone, together, jobs):
+        if params.pooling is None:
+            assert mixed.token_ids == one.token_ids
+        else:
+            assert cosine(mixed.embedding, torch.tensor(one.embedding)) >= 0.99999
+    base = engine.generate([PROMPTS[0]], [embed(Pooling("mean"))])[0].embedding
+    assert cosine(together[0].embedding, torch.tensor(base)) < 0.9999  # the adapters matter: the check means something
