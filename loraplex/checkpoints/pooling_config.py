@@ -4,7 +4,8 @@
 `config.json` names the pooling: `pooling_mode_lasttoken`, `_mean_tokens`, `_cls_token`, `_max_tokens`) and maybe a
 `Normalize` one; `config_sentence_transformers.json` may name a default prompt (an instruction put before every
 text, e.g. "query: "). Without these files a decoder model embeds as vLLM embeds one: its last token's final hidden
-state, L2-normalised. What loraplex cannot compute exactly (another pooling mode, several at once, a prompt left out
+state, L2-normalised; an encoder-decoder model (T5, BART) pools its encoder's output: the mean, L2-normalised. The
+pooling of an encoder-decoder model always reads the encoder's output. What loraplex cannot compute exactly (another pooling mode, several at once, a prompt left out
 of the pooled rows) is kept as a refusal: the model still generates, and its embedding routes say why they cannot.
 """
 
@@ -36,17 +37,27 @@ def _json(path: pathlib.Path):
     return json.loads(path.read_text())
 
 
-def read_pooling(directory: pathlib.Path) -> EmbeddingPooling:
-    """The checkpoint's pooling (sentence-transformers files), or the default. Unreadable files are a ValueError."""
+ENCODER_DEFAULT = EmbeddingPooling(Pooling("mean", normalize=True), source="the default for encoder-decoder models")
+
+
+def default_pooling(encoder_decoder: bool) -> EmbeddingPooling:
+    """A model's pooling where its checkpoint names none."""
+    return ENCODER_DEFAULT if encoder_decoder else EmbeddingPooling()
+
+
+def read_pooling(directory: pathlib.Path, encoder_decoder: bool = False) -> EmbeddingPooling:
+    """The checkpoint's pooling (sentence-transformers files), or the default: an encoder-decoder model's is the mean
+    of its encoder's output, as sentence-T5 pools it. Unreadable files are a ValueError."""
+    default = default_pooling(encoder_decoder)
     modules_file = directory / "modules.json"
     if not modules_file.is_file():
-        return EmbeddingPooling()
+        return default
     modules = _json(modules_file)
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
         raise ValueError("modules.json must be a list of modules")
     kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules}
     if "Pooling" not in kinds:
-        return EmbeddingPooling()
+        return default
     config = _json(directory / str(kinds["Pooling"].get("path", "")) / "config.json")
     chosen = [mode for key, mode in MODES.items() if config.get(key)]
     others = sorted(k for k, v in config.items() if k.startswith("pooling_mode_") and v and k not in MODES)

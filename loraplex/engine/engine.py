@@ -16,6 +16,7 @@ import logging
 import random
 import time
 
+from loraplex.checkpoints.pooling_config import default_pooling
 from loraplex.config import EngineConfig
 from loraplex.models.config import ModelConfig
 from loraplex.engine.containment import execute_contained, failed_install_results
@@ -66,7 +67,7 @@ class Engine:
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
         self.processor = loaded.processor  # None for text-only models
-        self.pooling = loaded.pooling  # how its embeddings are made (checkpoints/pooling_config.py)
+        self.pooling = loaded.pooling or default_pooling(loaded.config.encoder_decoder is not None)  # embeddings
         self.model_id = loaded.model_id
         self.device, self.dtype = loaded.device, loaded.dtype
         self.kv_cache_dtype = kv_cache_dtype(config, loaded)

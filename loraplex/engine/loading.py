@@ -45,8 +45,8 @@ class LoadedModel:
     processor: Any = None
     # A quantized checkpoint's calibrated KV-cache scales, {layer index: (k_scale, v_scale)}: an FP8 cache uses them.
     kv_scales: dict | None = None
-    # How its embeddings are made (checkpoints/pooling_config.py: the sentence-transformers files, else the default).
-    pooling: EmbeddingPooling = EmbeddingPooling()
+    # How its embeddings are made (checkpoints/pooling_config.py: the sentence-transformers files; None: the default).
+    pooling: EmbeddingPooling | None = None
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -156,7 +156,7 @@ def load_model(
         tokenizer.hf.chat_template = pathlib.Path(config.chat_template).read_text()
     takes_images = model_config.vision is not None or model_config.mllama is not None
     processor = _processor(source) if takes_images else None
-    pooling = read_pooling(source.path)
+    pooling = read_pooling(source.path, model_config.encoder_decoder is not None)
     log(f"model loaded in {time.perf_counter() - started:.1f}s")
     return LoadedModel(model, model_config, tokenizer, device, dtype, source.model_id, processor, kv_scales or None,
                        pooling)

@@ -42,9 +42,6 @@ FLAG_METHODS = {"cls": "first"}  # --pooling's names (sentence-transformers') fo
 def pooling_of(state: ServerState, param: str) -> tuple[Pooling, str]:
     """How this server pools, and the prompt put before each text: --pooling, else the checkpoint's
     sentence-transformers configuration, else the last token's state, L2-normalised (checkpoints/pooling_config.py)."""
-    if state.model.is_encoder_decoder:
-        raise BadRequest("embeddings are not served for encoder-decoder models yet (the encoder's pooled output is "
-                         "still to come)", param)
     model = state.model.pooling
     if state.config.pooling is not None:
         return Pooling(FLAG_METHODS.get(state.config.pooling, state.config.pooling), model.pooling.normalize), model.prompt

@@ -101,3 +101,25 @@ def test_embeddings_of_three_adapters_beside_generations_equal_their_runs_alone(
             assert cosine(mixed.embedding, torch.tensor(one.embedding)) >= 0.99999
     base = engine.generate([PROMPTS[0]], [embed(Pooling("mean"))])[0].embedding
     assert cosine(together[0].embedding, torch.tensor(base)) < 0.9999  # the adapters matter: the check means something
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_encoder_decoder_models_pool_their_encoders_output(family, tmp_path):
+    """T5 and BART: the mean of the encoder's output, L2-normalised (sentence-T5's pooling; the default for
+    encoder-decoder models), against transformers' encoder, beside a generation."""
+    from tests.helpers import engine_for, load_ours, tiny_t5
+    from tests.models.test_bart_parity import tiny_bart
+
+    hf = tiny_t5(gated=True, seed=3) if family == "t5" else tiny_bart()
+    ours, config = load_ours(hf, tmp_path / family)
+    engine = engine_for(ours, config)
+    assert engine.pooling.pooling == Pooling("mean", True)
+    inputs = [[5, 17, 42, 99, 7, 150, 3, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 2]]
+    plain = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    alone = engine.generate([inputs[0]], plain)[0].token_ids
+    outs = engine.generate([inputs[0], *inputs], [plain, embed(engine.pooling.pooling), embed(engine.pooling.pooling)])
+    assert outs[0].token_ids == alone
+    with torch.inference_mode():
+        for out, ids in zip(outs[1:], inputs):
+            encoded = hf.get_encoder()(torch.tensor([ids])).last_hidden_state[0].float()
+            assert cosine(out.embedding, torch.nn.functional.normalize(encoded.mean(0), dim=0)) >= 0.99999

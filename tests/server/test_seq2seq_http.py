@@ -162,3 +162,13 @@ def test_chat_with_a_template_serves_the_templated_prompt(tmp_path):
     want = tokenizer.decode(hf_seq2seq_greedy(hf, ids, NEW), skip_special_tokens=True, clean_up_tokenization_spaces=False)
     assert chat.status_code == 200, chat.text
     assert chat.json()["choices"][0]["message"]["content"] == want
+
+
+def test_embeddings_pool_the_encoders_output(served):
+    """/v1/embeddings and /embed on T5 and BART: the mean of the encoder's output, normalised (sentence-T5's)."""
+    kind, app, _, num_input = served
+    openai_answer, lorax_answer = call(app, ("/v1/embeddings", {"input": PROMPT}), ("/embed", {"inputs": PROMPT}))
+    assert openai_answer.status_code == 200 and lorax_answer.status_code == 200, (openai_answer.text, lorax_answer.text)
+    vector = openai_answer.json()["data"][0]["embedding"]
+    assert openai_answer.json()["usage"]["prompt_tokens"] == num_input
+    assert abs(sum(v * v for v in vector) - 1.0) < 1e-4 and lorax_answer.json()["embeddings"] == vector

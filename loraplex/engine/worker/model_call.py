@@ -27,6 +27,8 @@ class ModelCall:
         self.inputs = model.inputs
         # Per-request image features while prompts are prefilled (models that put images in the token stream).
         self.image_features = ImageFeatures() if ModelInputs.IMAGE_FEATURES in self.inputs else None
+        # Encoder-decoder models: the last step's encoder output [encoder rows, hidden], in `batch.encoding` order.
+        self.encoded: torch.Tensor | None = None
         self.vision_counters = (
             self.image_features.counters if self.image_features is not None
             else VisionCounters() if ModelInputs.IMAGE_STATES in self.inputs else None
@@ -43,6 +45,7 @@ class ModelCall:
             encoded = None
             if batch.encoder_ids is not None:  # several requests' encoders in one call, rows concatenated
                 encoded = self.model.encode(batch.encoder_ids, batch.encoder_positions)
+            self.encoded = encoded  # this step's encoder output (embedding requests pool it)
             return self.model(batch.input_ids, batch.positions, encoder_hidden=encoded)
         if ModelInputs.IMAGE_STATES in self.inputs:
             made = self._image_states([scheduled[i].request for i in batch.encoding], lora) if batch.encoding else None

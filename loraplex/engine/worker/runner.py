@@ -213,13 +213,22 @@ class ModelRunner:
                 self._sample(scheduled, sample_seqs, hidden, starts, lora, results, masks)
             for i, item in enumerate(scheduled):
                 if item.request.params.pooling is not None:
-                    results[i].embedding = self.pooler.add(item, hidden[starts[i] : starts[i + 1]])
+                    results[i].embedding = self.pooler.add(item, self._pooled_rows(i, batch, hidden, starts))
                 if wants_prompt_logprobs(item.request):
                     def head(rows: torch.Tensor, slot: int | None = item.request.adapter_slot) -> torch.Tensor:
                         return self._logits(rows, lora, [slot], [rows.shape[0]])
 
                     results[i].prompt_logprobs = prompt_logprobs(item, hidden[starts[i] : starts[i + 1]], head)
         return results
+
+    def _pooled_rows(self, i: int, batch, hidden: torch.Tensor, starts: list[int]) -> torch.Tensor:
+        """The rows embedding request `i` pools this step: its encoder's output on an encoder-decoder model (which
+        encodes it whole in its first step, as sentence-T5 pools it), else its token rows."""
+        encoded = self.model_call.encoded
+        if encoded is None:
+            return hidden[starts[i] : starts[i + 1]]
+        k, where = batch.encoding.index(i), batch.metadata.encoder.query_start_loc
+        return encoded[where[k] : where[k + 1]]
 
     def _graphable(self, scheduled: list[ScheduledRequest]) -> bool:
         """Whether this step runs as a CUDA graph: every request decodes one token (no prefill, no drafts)."""
