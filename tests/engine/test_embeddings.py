@@ -123,3 +123,18 @@ def test_encoder_decoder_models_pool_their_encoders_output(family, tmp_path):
         for out, ids in zip(outs[1:], inputs):
             encoded = hf.get_encoder()(torch.tensor([ids])).last_hidden_state[0].float()
             assert cosine(out.embedding, torch.nn.functional.normalize(encoded.mean(0), dim=0)) >= 0.99999
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral",
+                                  "qwen2_moe"])
+def test_every_decoder_family_embeds_as_transformers(kind):
+    """Mean pooling (it reads every row) of the final normed hidden state, per family, against transformers'."""
+    from tests.helpers import engine_for, ours_from_hf, tiny_hf_model
+
+    hf = tiny_hf_model(kind, seed=1, **({"pad_token_id": 0} if kind == "phi3" else {}))
+    ours, config = ours_from_hf(hf)
+    ids = [5, 17, 42, 99, 7, 150, 3, 200, 64, 31]
+    out = engine_for(ours, config).generate([ids], embed(Pooling("mean")))[0]
+    with torch.inference_mode():
+        hidden = hf.model(torch.tensor([ids])).last_hidden_state[0].float()
+    assert cosine(out.embedding, torch.nn.functional.normalize(hidden.mean(0), dim=0)) >= 0.99999
