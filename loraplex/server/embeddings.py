@@ -106,6 +106,7 @@ async def embeddings(body: EmbeddingRequest, request: Request):
     data = [EmbeddingData(embedding=encoded(shortened(r.final.embedding, body.dimensions, len(r.final.embedding)),
                                             body.encoding_format), index=i) for i, r in enumerate(results)]
     tokens = sum(len(ids) for ids in inputs)
+    state.metrics.on_embeddings("/v1/embeddings", len(inputs), tokens)
     response = EmbeddingResponse(data=data, model=served.name, usage=EmbeddingUsage(prompt_tokens=tokens,
                                                                                     total_tokens=tokens))
     return JSONResponse(response.model_dump(), headers=adapter_header(served.adapter))
@@ -126,4 +127,5 @@ async def embed(body: EmbedRequest, request: Request):
     adapter_id = p.adapter_id or (state.config.default_adapter_id if not p.merged_adapters else None)
     adapter = await state.adapter(adapter_id, p.adapter_source, merge_spec(p.merged_adapters), p.api_token)
     (result,) = await embed_all(state, [ids], adapter, pooling)
+    state.metrics.on_embeddings("/embed", 1, len(ids))
     return JSONResponse(EmbedResponse(embeddings=result.final.embedding).model_dump(), headers=adapter_header(adapter))

@@ -89,6 +89,10 @@ class Metrics:
             "lorax_request_max_new_tokens", "max_new_tokens per request", buckets=TOKEN_BUCKETS, registry=r
         )
         self.images = Counter("loraplex_images", "Images received in requests", registry=r)
+        self.embedding_inputs = Counter("loraplex_embedding_inputs", "Inputs embedded (each one engine request)",
+                                        ["route"], registry=r)
+        self.embedding_tokens = Counter("loraplex_embedding_tokens", "Prompt tokens of the inputs embedded", ["route"],
+                                        registry=r)
         self.adapter_admin = Counter("loraplex_adapter_admin", "Run-time adapter loads and unloads, by outcome",
                                      ["action", "result"], registry=r)
         self.image_processing = Histogram(
@@ -132,6 +136,12 @@ class Metrics:
         self.vllm.on_success(final)
         if (record := request_log.current()) is not None:
             record.finished_run(final)
+
+    def on_embeddings(self, route: str, inputs: int, tokens: int) -> None:
+        """An embedding request answered (/v1/embeddings or /embed): its inputs and their tokens, by route. Each
+        input's engine request is counted with the others too (lorax_request_*, vllm:*), as generated tokens 0."""
+        self.embedding_inputs.labels(route).inc(inputs)
+        self.embedding_tokens.labels(route).inc(tokens)
 
     def on_images(self, count: int, seconds: float) -> None:
         self.images.inc(count)

@@ -87,6 +87,24 @@ def test_token_ids_dimensions_and_base64(client, hf_tokenizer):
     assert torch.allclose(torch.tensor(decoded), torch.tensor(whole), atol=1e-6)
 
 
+def test_embeddings_are_counted_apart_by_route(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counted() -> dict:
+        text = httpx.get(server + "/metrics").text
+        return {(s.name, s.labels.get("route")): s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name.startswith("loraplex_embedding_") and s.name.endswith("_total")}
+
+    before = counted()
+    assert httpx.post(server + "/v1/embeddings", json={"input": [[5, 6, 7], [8, 9]]}).status_code == 200
+    assert httpx.post(server + "/embed", json={"inputs": "Hi"}).status_code == 200
+    after = counted()
+    gained = {key: after[key] - before.get(key, 0) for key in after}
+    assert gained[("loraplex_embedding_inputs_total", "/v1/embeddings")] == 2
+    assert gained[("loraplex_embedding_tokens_total", "/v1/embeddings")] == 5
+    assert gained[("loraplex_embedding_inputs_total", "/embed")] == 1
+
+
 def test_lorax_embed(server, client):
     body = {"inputs": TEXTS[1], "parameters": {"adapter_id": "name-nova"}}
     answer = httpx.post(server + "/embed", json=body, timeout=60)
