@@ -129,18 +129,20 @@ def format_result(result: WorkloadResult, setting: str) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="loraplex bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", choices=["equal", "mixed", "adapters", "vision", "seq2seq", "all"], default="all",
+    p.add_argument("--workload", choices=["equal", "mixed", "adapters", "vision", "seq2seq", "embeddings", "all"],
+                   default="all",
                    help="all: equal and mixed (the default set); adapters, vision (the example VLM, "
-                        "benchmarks/vision.py) and seq2seq (random T5 / BART, benchmarks/seq2seq.py) run only "
-                        "when named")
-    p.add_argument("--requests", type=int, default=32)
+                        "benchmarks/vision.py), seq2seq (random T5 / BART, benchmarks/seq2seq.py) and embeddings "
+                        "(benchmarks/embeddings.py) run only when named")
+    p.add_argument("--requests", type=int, default=None, help="requests (embeddings: inputs); default 32 (embeddings: 256)")
     p.add_argument("--one-at-a-time-requests", type=int, default=8,
                    help="transformers one-at-a-time is slow: time this many of the requests (default 8)")
     p.add_argument("--model-id", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--seed", type=int, default=0, help="workload seed (prompts, and lengths of the mixed one)")
     p.add_argument("--repeats", type=int, default=1, help="time each system N times, taking turns; keep the best")
-    p.add_argument("--adapters", type=int, default=8,
-                   help="adapters and seq2seq workloads: adapters the requests spread over (seq2seq: 0 skips them)")
+    p.add_argument("--adapters", type=int, default=None,
+                   help="adapters, seq2seq and embeddings workloads: adapters the requests spread over (0 skips them "
+                        "in seq2seq and embeddings); default 8 (embeddings: 4)")
     p.add_argument("--adapter-rank", type=int, default=16,
                    help="adapters and seq2seq workloads: LoRA rank (alpha = 2 x rank)")
     p.add_argument("--rotation-adapters", type=int, default=64,
@@ -153,7 +155,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="vision workload: the example LLaVA-NeXT or the example Mllama")
     p.add_argument("--family", choices=["t5", "bart", "both"], default="both", help="seq2seq workload: model family")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    embeddings = args.workload == "embeddings"
+    args.requests = args.requests if args.requests is not None else 256 if embeddings else 32
+    args.adapters = args.adapters if args.adapters is not None else 4 if embeddings else 8
+    return args
 
 
 def progress(started: float) -> Callable[[str], None]:
@@ -240,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = bench_workload(workloads[name](), ours, *peers, args.one_at_a_time_requests, args.repeats,
                                            log)
             print(format_result(results[name], setting), flush=True)
+    if "embeddings" in names:
+        from benchmarks.embeddings import bench_embeddings, format_embeddings
+
+        log("the embeddings workload: transformers' copy of the model")
+        results["embeddings"] = bench_embeddings(engine, load_hf_model(hf_path), pad_id, args, log)
+        print(format_embeddings(results["embeddings"], setting), flush=True)
     if "adapters" in names:
         log("the adapters workload: PEFT's model and the adapters")
         result = run_adapter_workload(args, loaded, engine, ours, load_hf_model(hf_path), pad_id, warmup, setting)
@@ -252,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.json:
         figures = {"model_id": engine.model_id, "setting": setting, "torch_num_threads": torch.get_num_threads(),
-                   "workloads": {name: r.to_json() for name, r in results.items()}}
+                   "workloads": {name: r if isinstance(r, dict) else r.to_json() for name, r in results.items()}}
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
     return 0

@@ -153,3 +153,25 @@ def test_the_cli_passes_bench_options_through(capsys):
         main(["bench", "--workload", "vision", "--help"])
     assert exit_info.value.code == 0
     assert "--workload {equal,mixed,adapters,vision,seq2seq,all}" in capsys.readouterr().out.replace("\n", " ").replace("  ", " ")
+
+
+def test_the_embeddings_workload_on_a_tiny_model(tmp_path):
+    """benchmarks/embeddings.py: loraplex's vectors equal transformers' (the sanity line), and the ratios are the
+    measured times' (a tiny random model; no speed asserted)."""
+    import argparse
+
+    from benchmarks.embeddings import bench_embeddings, format_embeddings
+
+    hf = tiny_hf_model()
+    model, config = ours_from_hf(hf)
+    engine = engine_for(model, config, max_active_adapters=2)
+
+    class Tokenizer:  # what the workload reads of the engine's tokenizer
+        hf = argparse.Namespace(all_special_ids=[0, 1, 2])
+
+    engine.tokenizer = Tokenizer()
+    args = argparse.Namespace(requests=6, adapters=2, seed=1, repeats=1)
+    result = bench_embeddings(engine, hf, 0, args, log=lambda line: None)
+    assert result["inputs"] == 6 and result["max_abs_diff"] < 1e-4 and result["loraplex_adapters_s"] > 0
+    text = format_embeddings(result, "cpu float32")
+    assert f"loraplex = {result['transformers_s'] / result['loraplex_s']:.2f}x" in text and "sanity" in text
