@@ -152,7 +152,7 @@ def test_the_cli_passes_bench_options_through(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--workload", "vision", "--help"])
     assert exit_info.value.code == 0
-    assert "--workload {equal,mixed,adapters,vision,seq2seq,all}" in capsys.readouterr().out.replace("\n", " ").replace("  ", " ")
+    assert "--workload {equal,mixed,adapters,vision,seq2seq,embeddings,all}" in capsys.readouterr().out.replace("\n", " ").replace("  ", " ")
 
 
 def test_the_embeddings_workload_on_a_tiny_model(tmp_path):
