@@ -138,3 +138,37 @@ def test_every_decoder_family_embeds_as_transformers(kind):
     with torch.inference_mode():
         hidden = hf.model(torch.tensor([ids])).last_hidden_state[0].float()
     assert cosine(out.embedding, torch.nn.functional.normalize(hidden.mean(0), dim=0)) >= 0.99999
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_an_encoder_adapter_embeds_as_peft(family, tmp_path):
+    """A LoRA on the encoder moves an encoder-decoder model's embedding exactly as PEFT's encoder says."""
+    from tests.helpers import engine_for, load_ours, tiny_t5
+    from tests.lora.test_encoder_decoder_lora import CASES
+    from tests.models.test_bart_parity import tiny_bart
+
+    hf = tiny_t5(gated=True, seed=7) if family == "t5" else tiny_bart(seed=7)
+    ours, config = load_ours(hf, tmp_path / family)
+    engine = engine_for(ours, config, max_active_adapters=2)
+    tuned = peft_model(hf, seed=2, **CASES[family]["encoder"])
+    adapter = save_and_load(tuned, tmp_path / "adapter", "encoder", engine.lora.base_shapes)
+    ids = [5, 17, 42, 99, 7, 150, 3, 2]
+    base, moved = engine.generate([ids, ids], embed(Pooling("mean")), adapters=[None, adapter])
+    with torch.inference_mode():
+        encoded = tuned.get_encoder()(torch.tensor([ids])).last_hidden_state[0].float()
+    want = torch.nn.functional.normalize(encoded.mean(0), dim=0)
+    assert cosine(moved.embedding, want) >= 0.99999 and cosine(base.embedding, want) < 0.9999
+
+
+def test_mpt_embeds_as_transformers(tmp_path):
+    from tests.helpers import engine_for
+    from tests.models.test_mpt_parity import load_ours, tiny_hf_mpt
+
+    hf = tiny_hf_mpt(d_model=64, n_heads=4)
+    hf.save_pretrained(tmp_path / "mpt")
+    ours, config = load_ours(tmp_path / "mpt")
+    ids = [5, 17, 42, 99, 3, 120, 7, 1, 64, 100]
+    out = engine_for(ours, config).generate([ids], embed(Pooling("mean")))[0]
+    with torch.inference_mode():
+        hidden = hf.transformer(torch.tensor([ids])).last_hidden_state[0].float()
+    assert cosine(out.embedding, torch.nn.functional.normalize(hidden.mean(0), dim=0)) >= 0.99999
