@@ -172,3 +172,17 @@ def test_mpt_embeds_as_transformers(tmp_path):
     with torch.inference_mode():
         hidden = hf.transformer(torch.tensor([ids])).last_hidden_state[0].float()
     assert cosine(out.embedding, torch.nn.functional.normalize(hidden.mean(0), dim=0)) >= 0.99999
+
+
+def test_a_vision_model_embeds_text_as_its_language_model(tmp_path):
+    """LLaVA-NeXT: text inputs, pooled from the language model's final normed hidden state, as transformers'."""
+    from tests.helpers import engine_for
+    from tests.models.test_llava_next_parity import saved, tiny_llava
+
+    hf = tiny_llava(seed=2)
+    ours, config = saved(hf, tmp_path / "llava")
+    ids = [5, 17, 42, 99, 3, 120, 7, 1, 64, 100]
+    out = engine_for(ours, config).generate([ids], embed(Pooling("mean")))[0]
+    with torch.inference_mode():
+        hidden = hf.model.language_model(torch.tensor([ids])).last_hidden_state[0].float()
+    assert cosine(out.embedding, torch.nn.functional.normalize(hidden.mean(0), dim=0)) >= 0.99999
