@@ -96,3 +96,50 @@ def format_embeddings(result: dict, setting: str) -> str:
     lines.append(f"  sanity: largest |difference| between loraplex's and transformers' base vectors "
                  f"{result['max_abs_diff']:.2e}")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.embeddings --model 8b`: loraplex alone (no transformers peer holds the random weights) on
+    a random model of Llama-3.1-8B's shape on the GPU, base against 4 adapters: inputs/s. `loraplex bench --workload
+    embeddings` is the CPU run against transformers."""
+    import argparse
+    import sys
+
+    from benchmarks.offline import progress
+    from benchmarks.random_models import llama_8b
+    from loraplex.config import EngineConfig
+    from loraplex.engine.engine import Engine
+
+    p = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    p.add_argument("--model", choices=["8b"], default="8b")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--adapters", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args(argv)
+    log = progress(perf_counter())
+    if not torch.cuda.is_available():
+        print("benchmarks.embeddings --model 8b needs a CUDA device", file=sys.stderr)
+        return 2
+    log(f"building a random {args.layers}-layer model of Llama-3.1-8B's shape on the GPU")
+    engine = Engine(llama_8b(torch.device("cuda"), args.layers), EngineConfig(max_active_adapters=max(8, args.adapters)))
+    inputs = inputs_of(args.requests, engine.model_config.vocab_size, {0, 1, 2}, args.seed)
+    spec = AdapterSpec(rank=16, alpha=32.0)
+    adapters = [random_adapter(f"embed-{i}", engine.lora.base_shapes, spec, engine.config.max_lora_rank, seed=i)
+                for i in range(args.adapters)]
+    loraplex_vectors(engine, inputs[:8], adapters[:1] * 8)  # warm-up (kernels, first installs)
+    log(f"timing {len(inputs)} inputs, base")
+    base_s, _ = timed(lambda: loraplex_vectors(engine, inputs, None), args.repeats)
+    log(f"timing {len(inputs)} inputs over {len(adapters)} adapters")
+    tuned_s, _ = timed(lambda: loraplex_vectors(engine, inputs, [adapters[i % len(adapters)] for i in range(len(inputs))]),
+                       args.repeats)
+    tokens = sum(len(i) for i in inputs)
+    print(f"embeddings, {args.layers}-layer Llama-3.1-8B shape, bf16, {torch.cuda.get_device_name()}: {len(inputs)} "
+          f"inputs ({tokens} tokens): base {len(inputs) / base_s:.1f} inputs/s ({tokens / base_s:,.0f} tok/s), "
+          f"{len(adapters)} adapters {len(inputs) / tuned_s:.1f} inputs/s ({base_s / tuned_s:.2f}x of base)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
