@@ -105,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from benchmarks.offline import progress
     from benchmarks.random_models import llama_8b
     from loraplex.config import EngineConfig
     from loraplex.engine.engine import Engine
@@ -118,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(argv)
-    log = progress(perf_counter())
+    started = perf_counter()
+    log = lambda line: print(f"[{perf_counter() - started:5.0f}s] {line}", file=sys.stderr, flush=True)  # noqa: E731
     if not torch.cuda.is_available():
         print("benchmarks.embeddings --model 8b needs a CUDA device", file=sys.stderr)
         return 2
