@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
 
 from benchmarks.adapters import AdapterSpec, random_adapter
+from benchmarks.progress import needs_cuda, progress
 from benchmarks.random_models import llama_8b
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
@@ -65,26 +67,35 @@ def decode_ms_per_step(engine: Engine, adapters, rows: int, distinct: int, promp
     return (time.perf_counter() - started) / steps * 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=32)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    log = progress()
+    if (code := needs_cuda("benchmarks.decode_graphs")) is not None:
+        return code
+    log(f"decode steps, CUDA graphs against eager, 8B shape ({args.layers} layers) on {torch.cuda.get_device_name()}: "
+        f"{len(CASES)} cases, each warmed up then timed in both engines (a few minutes)")
+    log(f"building the random 8B-shaped model ({args.layers} layers) and two engines")
     loaded = llama_8b(torch.device("cuda"), args.layers, torch.bfloat16)
     engines = {graphs: engine_for(loaded, cuda_graphs=graphs) for graphs in (True, False)}
     adapters = [random_adapter(f"a{i}", engines[True].lora.base_shapes, AdapterSpec(), 16, i) for i in range(64)]
     # Warm-up: captures, kernel compiles. As long as the timed runs: a short one can finish its requests while
     # others are still prefilled (mixed steps), never reaching the full batch's bucket, whose capture would then
     # land in the timed run.
-    for engine in engines.values():
+    for graphs, engine in engines.items():
+        log(f"warming up the {'graphed' if graphs else 'eager'} engine on every case (captures, kernel compiles)")
         for case in CASES:
             decode_ms_per_step(engine, adapters, *case, new_tokens=args.new_tokens)
     print(f"{loaded.model_id}, load average {os.getloadavg()[0]:.1f}")
     for rows, distinct, prompt_len in CASES:
+        log(f"timing rows {rows}, adapters {distinct}, prompt {prompt_len}")
         ms = {g: decode_ms_per_step(e, adapters, rows, distinct, prompt_len, args.new_tokens) for g, e in engines.items()}
         print(f"rows {rows:3d}, adapters {distinct:2d}, prompt {prompt_len}: graphs {ms[True]:.2f} ms/step "
               f"({rows * 1e3 / ms[True]:.0f} tok/s), eager {ms[False]:.2f} ms/step: {ms[False] / ms[True]:.2f}x", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -32,6 +32,7 @@ import torch
 
 from benchmarks.adapters import AdapterSpec, adapter_from_peft, make_peft_model, random_adapter
 from benchmarks.peers import left_padded
+from benchmarks.progress import progress
 from benchmarks.quantization import random_model, step_weight_bytes, timed_decode
 from benchmarks.roofline import average_decode_context, copy_bandwidth, kv_bytes_per_token
 from loraplex.config import EngineConfig
@@ -102,7 +103,9 @@ def hf_twin(hf_config: dict, device: torch.device, dtype: torch.dtype, seed: int
     return model.eval()
 
 
-def run_family(args, name: str, device: torch.device, dtype: torch.dtype, bandwidth) -> FamilyResult:
+def run_family(args, name: str, device: torch.device, dtype: torch.dtype, bandwidth, log=None) -> FamilyResult:
+    log = log or progress()
+    log(f"{name}: building the model" + (" and its transformers twin" if args.peers else ""))
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -140,6 +143,7 @@ def run_family(args, name: str, device: torch.device, dtype: torch.dtype, bandwi
         for adapters in sorted({0, args.adapters}):
             if requests == 1 and adapters > 1:
                 continue
+            log(f"{name} {requests}x{adapters}: untimed run, then {args.repeats} timed")
             rows = prompts[:requests]
             chosen = [made[i % adapters] if adapters else None for i in range(requests)]
             engine.generate(rows, params, adapters=chosen)  # untimed: captures this workload's graphs
@@ -150,6 +154,7 @@ def run_family(args, name: str, device: torch.device, dtype: torch.dtype, bandwi
     if args.profile:
         print(kernel_profile(loaded, engine.config, prompts[:1], params), file=sys.stderr, flush=True)
     if twin is not None:
+        log(f"{name}: loraplex, transformers and PEFT end to end ({args.peer_requests} requests)")
         result.peers = peer_rates(args, engine, twin, peft, made, prompts[:args.peer_requests], params, device)
     del engine, model, loaded, twin, peft
     return result
@@ -248,10 +253,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    log = progress()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    log(f"families {args.families} at {'shrunk' if args.shrink else 'published'} shapes on "
+        f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, workloads "
+        f"{','.join(map(str, args.requests))} requests x {{0, {args.adapters}}} adapters"
+        + (" (a smoke run: minutes)" if args.shrink else " (published shapes: tens of minutes on a GPU)"))
+    log("measuring the copy bandwidth")
     bandwidth = copy_bandwidth(device)
-    results = [run_family(args, name, device, dtype, bandwidth) for name in args.families.split(",")]
+    results = [run_family(args, name, device, dtype, bandwidth, log) for name in args.families.split(",")]
     print(format_table(results, args, device, dtype, bandwidth))
     return 0
 

@@ -33,11 +33,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks import roofline
+from benchmarks.progress import needs_cuda, progress
 from loraplex.quantization.fp8 import numerics
 from loraplex.quantization.fp8.mode import quantize_linear
 from loraplex.quantization.fp8.layers import Fp8BlockLinear
@@ -210,14 +212,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-torchao", action="store_true")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
-        print("benchmarks.fp8_kernels needs an FP8 GPU (compute capability 8.9+)")
-        return 1
+    log = progress()
+    if (code := needs_cuda("benchmarks.fp8_kernels")) is not None:
+        return code
+    if torch.cuda.get_device_capability() < (8, 9):
+        print(f"benchmarks.fp8_kernels needs an FP8 GPU (compute capability 8.9+), not {torch.cuda.get_device_name()}",
+              file=sys.stderr)
+        return 2
+    log(f"FP8 kernels against bf16 on {torch.cuda.get_device_name()}: shapes {args.shapes}, rows {args.rows} "
+        "(a few minutes)")
+    log("measuring the copy bandwidth")
     bandwidth = roofline.copy_bandwidth(torch.device("cuda"))
     rows = tuple(int(r) for r in args.rows.split(","))
     results = []
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
+        log(f"shape {name} ({k} -> {n}): every kernel at rows {args.rows}")
         results += bench_shape(name, k, n, rows, args.calls, args.replays, not args.no_torchao)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
           f"{bandwidth.bytes_per_s / 1e12:.2f} TB/s, peak {args.peak_tb_s} TB/s")

@@ -62,6 +62,7 @@ from benchmarks.adapters import AdapterSpec, PEFTMixed, adapter_from_peft, make_
 from benchmarks.gpu_models import OnDevice, build_model, hf_twin
 from benchmarks.online import OnlineResult, format_online, online_workload, run_online
 from benchmarks.peers import HFBatched
+from benchmarks.progress import progress
 from benchmarks.step_trace import StepTracer, describe_trace
 from benchmarks.systems import Loraplex, Measurement, measure
 from benchmarks.workload import Workload, equal_workload, round_robin
@@ -403,8 +404,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    log = progress()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    log(f"loraplex against transformers and PEFT, workloads {','.join(args.workloads)}, on "
+        f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
+        + (" (smoke: a few minutes)" if args.smoke else " (the full set: tens of minutes)"))
+    log("importing transformers and PEFT")
     import peft
     import transformers
 
@@ -412,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {name}, {str(dtype).removeprefix('torch.')}; torch {torch.__version__}, transformers "
           f"{transformers.__version__}, peft {peft.__version__}; torch threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    log("measuring the copy bandwidth")
     bandwidth = roofline.copy_bandwidth(device, 64 * 2**20 if args.smoke else None)
     print(f"copy bandwidth: {bandwidth.describe()}", flush=True)
     figures = {"device": name, "dtype": str(dtype), "torch": torch.__version__, "smoke": args.smoke,
@@ -424,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         if kind not in models:
             models.clear()  # one model at a time on the device
             gc.collect()
+            log(f"building the {kind} model")
             models[kind] = build_model(kind, device, dtype, args.layers, args.smoke)
         return models[kind]
 
@@ -436,9 +444,11 @@ def main(argv: list[str] | None = None) -> int:
         peers, peft_model = {}, None
         if with_peers:
             adapter_names = [f"adapter-{i}" for i in range(max(fixed[n].adapters for n in with_peers))]
+            log(f"building the transformers and PEFT twins of the {kind} model")
             peft_model = make_peft_model(hf_twin(loaded), adapter_names, SPEC, seed=args.seed)
             peers = {"hf": hf_twin(loaded), "peft": peft_model}
         for w in names:
+            log(f"workload {w}: each system timed")
             result = bench_fixed(w, fixed[w], loaded, peers, bandwidth, args.repeats, args.seed)
             figures["workloads"][w] = result
             print("\n" + format_fixed(result, bandwidth) + "\n", flush=True)
@@ -447,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if "online" in args.workloads:
+        log(f"the online workload on {args.online_model}: each system served in turn")
         rounds = bench_online(args, model(args.online_model))
         best = [min(runs, key=lambda r: r.makespan_s) for runs in zip(*rounds)]  # each system's shortest run
         figures["workloads"]["online"] = [r.to_json() for r in best]

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from benchmarks.progress import needs_cuda, progress
 from loraplex.config import EngineConfig
 from loraplex.engine.memory import kv_bytes_per_token
 from loraplex.layers.kv_quant import FP8_KV_DTYPE, dequantize, quantize
@@ -134,11 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--context", type=int, default=1024)
     args = p.parse_args(argv)
+    log = progress()
+    if (code := needs_cuda("benchmarks.kv_fp8")) is not None:
+        return code
+    log(f"FP8 KV cache against bf16 on {torch.cuda.get_device_name()}: the paged decode op, the capacity"
+        + (f", then an 8B-shaped engine per cache dtype ({args.requests} x {args.context}; minutes)" if args.engine else "")
+        + " (the op: about a minute)")
     print(f"{torch.cuda.get_device_name()}; load average {os.getloadavg()[0]:.2f}; Triton paged decode, one layer")
+    log("timing the paged decode op, each cache dtype (the first call compiles the kernel)")
     attention_table(args.calls)
     capacity_table(args.budget_gib)
     if args.engine:
         for name in ("auto", "fp8"):
+            log(f"engine, --kv-cache-dtype {name}: loading the random 8B-shaped model, warming up, decoding")
             capacity, rate, free_gib = engine_run(name, args.requests, args.context)
             print(f"engine, 8B shape, --kv-cache-dtype {name} ({free_gib:.1f} GiB free before loading): KV cache "
                   f"{capacity:,} tokens; {args.requests} requests x {args.context} prompt + 64 new: decode "

@@ -13,11 +13,16 @@ benchmarks.lora_host_costs`. On CUDA (the tile kernels are Triton; elsewhere onl
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import importlib.util
+import os
+import sys
 import time
 
 import torch
 
+from benchmarks.progress import progress
 from loraplex.lora.step.row_maps import LoraSegment
 from loraplex.lora.adapter import LoraAdapter, LoraConfig, LoraWeights
 from loraplex.lora.step.kernels import PointerTable, add_lora
@@ -113,12 +118,25 @@ def installs(device: torch.device) -> None:
         print(f"| {label} | {microseconds(fn, calls=50):.0f} |")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    log = progress()
     # On a machine without CUDA: a check of the code paths only, under Triton's interpreter (TRITON_INTERPRET=1).
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+    if not torch.cuda.is_available() and not interpreted:
+        print("benchmarks.lora_host_costs needs a CUDA device (its tile kernels are Triton; without CUDA only under "
+              "Triton's interpreter: TRITON_INTERPRET=1 with triton installed)", file=sys.stderr, flush=True)
+        return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu, under Triton's interpreter"
+    log(f"LoRA's host costs at SmolLM2-135M's shapes on {where}: sibling calls at 3 row counts, then an install "
+        "(about a minute)")
+    log("sibling calls (the first compiles the tile kernels)")
     sibling_calls(device)
+    log("an install of a rank-16 adapter on 210 modules")
     installs(device)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

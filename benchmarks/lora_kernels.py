@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from benchmarks.progress import progress
 from loraplex.lora.step.row_maps import LoraSegment
 from loraplex.lora.adapter import LoraWeights
 from loraplex.lora.step.kernels import add_lora, add_lora_stacked
@@ -82,14 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args(argv)
+    log = progress()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = args.model or ("8b" if device.type == "cuda" else "135m")
     repeats = args.repeats or (200 if device.type == "cuda" else 50)
+    log(f"LoRA kernels (segments, stacked, masked) on {device}, {model} shapes, rank {args.rank}: 5 batch cases x "
+        f"{len(SHAPES[model])} modules, {repeats} calls each (under a minute on CUDA, a few on CPU)")
     print(f"device {device} ({dtype}), {model} shapes, rank {args.rank}; load average {os.getloadavg()[0]:.2f}")
     print(f"{'adapters x rows':>16} {'module':>6} {'segments':>10} {'stacked':>10} {'masked':>10}  segments/stacked  masked/stacked")
     totals = {"segments": 0.0, "stacked": 0.0, "masked": 0.0}
     for adapters, per in [(8, 1), (8, 4), (16, 2), (32, 2), (8, 16)]:
+        log(f"{adapters} adapters x {per} rows")
         for module, fan_in, fan_out in SHAPES[model]:
             t = bench_case(device, dtype, adapters, per, args.rank, fan_in, fan_out, repeats)
             for k in totals:

@@ -3,7 +3,12 @@ bandwidth they reach over the distinct adapters' bytes: `python -m benchmarks.lo
 
 from __future__ import annotations
 
+import argparse
+import sys
+
 import torch
+
+from benchmarks.progress import needs_cuda, progress
 
 from loraplex.lora.adapter import LoraWeights
 from loraplex.lora.step.kernels import PointerTable
@@ -27,12 +32,19 @@ def microseconds(fn, calls: int = 50) -> float:
     return start.elapsed_time(end) / calls * 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    log = progress()
+    if (code := needs_cuda("benchmarks.lora_rows")) is not None:
+        return code
+    log(f"per-row LoRA kernels on {torch.cuda.get_device_name()}: {len(CASES) * len(SHAPES)} cases "
+        "(the first compiles the Triton kernel; under a minute)")
     from loraplex.lora.step.kernels.bgmv import add_lora_rows
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     for rows, distinct in CASES:
         for in_features, out_features in SHAPES:
+            log(f"timing rows {rows}, adapters {distinct}, {in_features} -> {out_features}")
             tables = PointerTable(["layer"], distinct, device)
             weights = [laid_out(LoraWeights(torch.randn(RANK, in_features, device=device, dtype=dtype) * 0.01,
                                             torch.randn(out_features, RANK, device=device, dtype=dtype), 2.0))
@@ -50,7 +62,8 @@ def main() -> None:
             nbytes = distinct * (in_features + out_features) * RANK * dtype.itemsize
             print(f"rows {rows:2d}, adapters {distinct:2d}, {in_features} -> {out_features}: eager {eager:.1f} us, "
                   f"in a graph {replayed:.1f} us = {nbytes / replayed / 1e3:.0f} GB/s of adapter weights", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,10 +10,13 @@ difference from the products alone, against the adapters' bytes.
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 
 import torch
 
+from benchmarks.progress import needs_cuda, progress
 from loraplex.lora.adapter import LoraWeights
 from loraplex.lora.step.beside import shrink_beside
 from loraplex.lora.step.kernels import PointerTable
@@ -85,17 +88,26 @@ def replay_ms(layers, mode: str, device: torch.device, dtype: torch.dtype, repla
     return sorted(times)[len(times) // 2]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    log = progress()
+    if (code := needs_cuda("benchmarks.lora_step")) is not None:
+        return code
+    log(f"a decode step's projections with per-row LoRA, 8B shape, on {torch.cuda.get_device_name()}: "
+        f"3 rounds of {len(MODES)} modes (about a minute)")
     device, dtype = torch.device("cuda"), torch.bfloat16
+    log(f"building {LAYERS} layers' weights and {ADAPTERS} adapters")
     layers, buffers, lora_bytes = build(device, dtype)
     print(f"load average {os.getloadavg()[0]:.1f}; adapters' bytes per step {lora_bytes / 1e9:.2f} GB", flush=True)
     for round_ in range(3):  # the first round also warms the GPU's clocks
+        log(f"round {round_}: capturing and replaying each mode")
         ms = {mode: replay_ms(layers, mode, device, dtype) for mode in MODES}
         base = ms[MODES[0]]
         print(f"round {round_}: products alone {base:.3f} ms; " + "; ".join(
             f"{mode} +{ms[mode] - base:.3f} ms ({(ms[mode] - base) / LAYERS * 1e3:.1f} us a layer, "
             f"{lora_bytes / (ms[mode] - base) / 1e6:,.0f} GB/s)" for mode in MODES[1:]), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

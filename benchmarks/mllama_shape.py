@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from benchmarks.progress import needs_cuda, progress
+
 TEXT = dict(  # Llama-3.2-11B-Vision's text model
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=40, num_attention_heads=32,
     num_key_value_heads=8, cross_attention_layers=[3, 8, 13, 18, 23, 28, 33, 38], rope_theta=500000.0,
@@ -103,29 +105,38 @@ def run_transformers(hf, jobs, new: int) -> tuple[float, int]:
     return time.perf_counter() - started, tokens
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--image-requests", type=int, default=16)
     p.add_argument("--text-requests", type=int, default=16)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--kv-tokens", type=int, default=131072, help="token slots (and as many image-state slots)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    log = progress()
+    if (code := needs_cuda("benchmarks.mllama_shape")) is not None:
+        return code
+    log(f"Mllama 11B shape, loraplex against transformers, on {torch.cuda.get_device_name()}: "
+        f"{args.image_requests} image + {args.text_requests} text requests (a few minutes)")
 
     from loraplex.config import EngineConfig
     from loraplex.engine.engine import Engine
     from loraplex.engine.loading import LoadedModel
 
+    log("building the random Mllama 11B-shaped model and its transformers twin")
     hf, ours, config = build("cuda")
     vision = config.mllama.vision
     loaded = LoadedModel(ours, config, None, torch.device("cuda"), torch.bfloat16, "mllama-11b-shape")
     engine = Engine(loaded, EngineConfig(max_batch_total_tokens=args.kv_tokens, max_batch_prefill_tokens=16384))
     jobs = requests(args, vision.max_num_tiles, vision.image_size)
+    log("warming up both")
     run_ours(engine, jobs[:2], 2)  # warm-up
     run_transformers(hf, jobs[:1] + jobs[-1:], 2)
     counters = engine.runner.vision_counters
     before = counters.encode_seconds
+    log("timing loraplex")
     ours_s, ours_tokens, image_requests = run_ours(engine, jobs, args.new)
+    log("timing transformers' batched generate")
     hf_s, hf_tokens = run_transformers(hf, jobs, args.new)
     per_state = 2 * config.num_kv_heads * config.head_dim * len(config.mllama.cross_attention_layers) * 2
     states = image_requests[0].num_states

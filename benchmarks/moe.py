@@ -33,6 +33,7 @@ import time
 import torch
 
 from benchmarks.graph_timing import graph_time_us
+from benchmarks.progress import needs_cuda, progress
 from loraplex.layers.moe import ExpertDispatch, grouped_product, route
 
 # name -> (experts, top_k, hidden, intermediate)
@@ -191,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also sweep the decode configurations")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks.moe needs a CUDA device")
-        return 1
+    log = progress()
+    if (code := needs_cuda("benchmarks.moe")) is not None:
+        return code
+    log(f"MoE grouped products on {torch.cuda.get_device_name()}: shapes {args.shapes}, P {args.rows}"
+        + (", with the configuration sweep (tens of minutes)" if args.sweep else " (minutes)"))
     from loraplex.layers.kernels import moe_gemm
 
     rows = [int(r) for r in args.rows.split(",")]
@@ -202,11 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": torch.cuda.get_device_name(), "results": {}, "sweep": {}}
     for model in args.shapes.split(","):
         started = time.time()
+        log(f"{model}: building the layer, then timing every method at P {args.rows}")
         layer = Layer(model, device)
         results = {p: {m: measure(layer, p, m, args.calls, args.target_ms) for m in rows} for p in ("gate_up", "down")}
         table(layer, results, rows, args.peak_tb_s)
         report["results"][model] = results
         if args.sweep:
+            log(f"{model}: the configuration sweep")
             report["sweep"][model] = sweep(layer, rows, args.target_ms / 2)
         print(f"({model}: {time.time() - started:.0f} s)\n")
         del layer

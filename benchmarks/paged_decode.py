@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from benchmarks.progress import needs_cuda, progress
 from benchmarks.random_models import LLAMA_8B_VOCAB, llama_8b
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
@@ -82,10 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--op-only", action="store_true", help="the attention op alone, no end-to-end run")
     args = p.parse_args(argv)
+    log = progress()
+    if (code := needs_cuda("benchmarks.paged_decode")) is not None:
+        return code
+    log(f"paged decode, torch against triton, on {torch.cuda.get_device_name()}: the op at 3 sizes"
+        + ("" if args.op_only else f", then the 8B shape end to end ({args.layers} layers, 4 runs; minutes)"))
     print(f"{torch.cuda.get_device_name()}; load average {os.getloadavg()[0]:.2f}")
     print("| rows x context | torch decode | triton decode | speed-up | triton K/V bandwidth |")
     print("|---|---|---|---|---|")
     for rows, context in ((1, args.context), (args.rows, args.context), (args.rows, 4 * args.context)):
+        log(f"the op at {rows} rows x {context} context")
         layer, q, k, v, md, kv_bytes = op_case(rows, context)
         torch_s = time_op(lambda: TorchAttentionBackend()._decode(layer, q, k, v, md, 0))
         triton_s = time_op(lambda: TritonAttentionBackend()._decode(layer, q, k, v, md, 0))
@@ -93,10 +100,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{kv_bytes / triton_s / 1e9:.0f} GB/s |")
     if args.op_only:
         return 0
+    log(f"building the random 8B-shaped model ({args.layers} layers)")
     loaded = llama_8b(torch.device("cuda"), args.layers)
     # Each backend twice, taking turns (the first run of a process pays for warming up what prefill did not).
     rates = {}
     for backend in ("torch", "triton", "torch", "triton"):
+        log(f"end to end, {backend} backend: {args.rows} requests x {args.context} prompt + 64 new")
         rate = decode_rate(loaded, backend, args.rows, args.context, 64)
         if backend not in rates or rate[0] > rates[backend][0]:
             rates[backend] = rate

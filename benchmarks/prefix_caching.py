@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.progress import progress
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
 from loraplex.params import SamplingParams
@@ -100,10 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapters", type=int, default=4, help="random rank-16 adapters (0: the base model only)")
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(argv)
+    log = progress()
+    log(f"prefix caching off against on, {args.repeats} run(s) each, then a chunked-prefill control: {args.requests} "
+        f"requests x ({args.system_tokens} shared + own) prompt tokens, {args.new_tokens} new, base + {args.adapters} "
+        f"adapters, {'the embedded SmolLM2-135M' if args.model == 'embedded' else 'a random 8B-shaped model'} on "
+        f"{args.device}" + (" (on a CPU: minutes)" if args.device == "cpu" else ""))
 
     device = torch.device(args.device)
     config = dict(max_batch_total_tokens=args.requests * (args.system_tokens + 64 + args.new_tokens),
                   max_num_seqs=args.requests)
+    log("loading the embedded model" if args.model == "embedded" else f"building the random 8B-shaped model ({args.layers} layers)")
     if args.model == "8b":
         make, make_prompts, loaded = random_8b_engine(config, device, args.layers)
     else:
@@ -113,16 +120,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.adapters:
         from benchmarks.adapters import AdapterSpec, random_adapter
 
+        log(f"making {args.adapters} random adapters")
         shapes = make(prefix_caching=False).lora.base_shapes
         made = [random_adapter(f"a{i}", shapes, AdapterSpec(), 64, seed=i) for i in range(args.adapters)]
         choices = [None, *made]
         adapters = [choices[i % len(choices)] for i in range(args.requests)]
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
 
+    log("warm-up")
     make().generate(prompts[:2], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up, excluded
     best: dict[str, Run] = {}
-    for _ in range(args.repeats):  # the settings take turns; a fresh engine (empty cache) each time
+    for repeat in range(args.repeats):  # the settings take turns; a fresh engine (empty cache) each time
         for name, caching in (("off", False), ("on", True)):
+            log(f"timing prefix caching {name} (run {repeat + 1} of {args.repeats})")
             result = run(make(prefix_caching=caching), prompts, adapters, params)
             if name not in best or result.seconds < best[name].seconds:
                 best[name] = result
@@ -130,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     identical = sum(a == b for a, b in zip(on.outputs, off.outputs))
     # The control: the same requests without caching, prefilled in 512-token chunks (other row counts, so
     # other GEMM kernels in bf16): how many agree with the plain run when only the batch shapes change.
+    log("the control: caching off, prefill in 512-token chunks")
     chunked = run(make(prefix_caching=False, max_batch_prefill_tokens=512), prompts, adapters, params)
     control = sum(a == b for a, b in zip(chunked.outputs, off.outputs))
     # float32 must agree exactly; bf16 GEMMs pick other kernels for other row counts, so near-ties may flip.

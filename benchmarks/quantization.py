@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from benchmarks.progress import progress
 from benchmarks.roofline import average_decode_context, copy_bandwidth, kv_bytes_per_token
 from loraplex.config import EngineConfig
 from loraplex.models.config import ModelConfig
@@ -158,7 +159,10 @@ def step_weight_bytes(model: torch.nn.Module, config: ModelConfig, rows: int) ->
     return total
 
 
-def run_setting(args, config: ModelConfig, name: str, device: torch.device, dtype: torch.dtype, bandwidth) -> Result:
+def run_setting(args, config: ModelConfig, name: str, device: torch.device, dtype: torch.dtype, bandwidth,
+                log=None) -> Result:
+    log = log or progress()
+    log(f"{name}: building and quantizing the model")
     setting = SETTINGS[name]
     if device.type == "cuda":
         gc.collect()
@@ -189,6 +193,7 @@ def run_setting(args, config: ModelConfig, name: str, device: torch.device, dtyp
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     kv_dtype = torch.float8_e4m3fn if setting.kv_cache_dtype == "fp8" else dtype
     for work in workloads:
+        log(f"{name} {work.requests}x{work.adapters}: untimed run, then {args.repeats} timed")
         prompts = [[rng.randrange(3, config.vocab_size) for _ in range(args.prompt_len)] for _ in range(work.requests)]
         adapters = [made[i % work.adapters] if work.adapters else None for i in range(work.requests)]
         engine.generate(prompts, params, adapters=adapters)  # untimed: captures this workload's graphs
@@ -281,9 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown settings {unknown}; choose from {', '.join(SETTINGS)}", file=sys.stderr)
         return 2
+    log = progress()
+    log(f"quantization settings {','.join(settings)}, workloads {args.workloads}, a random Llama of {args.layers} layers "
+        f"(hidden {args.hidden}) on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} "
+        "(the 8B shape: minutes a setting on a GPU, far longer on a CPU)")
     config = llama_config(args)
+    log("measuring the copy bandwidth")
     bandwidth = copy_bandwidth(device)
-    results = [run_setting(args, config, s, device, dtype, bandwidth) for s in settings]
+    results = [run_setting(args, config, s, device, dtype, bandwidth, log) for s in settings]
     print(format_table(results, args, device, dtype, bandwidth))
     if args.json:
         with open(args.json, "w") as f:

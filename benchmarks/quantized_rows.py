@@ -23,11 +23,17 @@ import torch
 from torch.nn import functional as F
 
 from benchmarks.graph_timing import graph_time_us, weight_copies
-from loraplex.quantization import weight_only
-from loraplex.quantization.w4a16 import kernels as w4a16_triton, rows as w4a16_rows
-from loraplex.quantization.fp8.mode import quantize_linear
-from loraplex.quantization.split_k import split_counters
-from loraplex.quantization.w4a16.mode import pack_int4, quantize_groups
+from benchmarks.progress import needs_cuda, progress
+
+try:  # Triton's kernels: a machine without triton (no CUDA) gets main's one line and status 2, not a traceback
+    from loraplex.quantization import weight_only
+    from loraplex.quantization.w4a16 import kernels as w4a16_triton, rows as w4a16_rows
+    from loraplex.quantization.fp8.mode import quantize_linear
+    from loraplex.quantization.split_k import split_counters
+    from loraplex.quantization.w4a16.mode import pack_int4, quantize_groups
+except ModuleNotFoundError as missing:
+    if missing.name != "triton":
+        raise
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
 DTYPE = torch.bfloat16
@@ -169,15 +175,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-ms", type=float, default=4.0, help="replay time per measurement")
     parser.add_argument("--json", help="write the best shapes here too")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks.quantized_rows needs a CUDA device")
-        return 1
+    log = progress()
+    if (code := needs_cuda("benchmarks.quantized_rows")) is not None:
+        return code
+    log(f"quantized per-row kernels' launch shapes on {torch.cuda.get_device_name()}: M {args.rows} "
+        "(each M sweeps many launch shapes: tens of minutes)")
     fp8 = torch.cuda.get_device_capability() >= (8, 9)
+    log("quantizing one 8B layer's linears")
     linears = [Linear(k, n, fp8) for _, k, n in SHAPES]
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; one 8B layer's linears "
           f"({', '.join(f'{s} {k}->{n}' for s, k, n in SHAPES)})")
     best = {}
     for m in (int(r) for r in args.rows.split(",")):
+        log(f"M={m}: bf16, then the sweeps")
         bf16_us, _ = layer_time(linears, m, "bf16", args.target_ms)
         print(f"\nM={m}: bf16 {bf16_us:.1f} us per layer")
         best[m] = {"bf16_us": bf16_us}

@@ -29,6 +29,7 @@ from time import perf_counter
 
 import torch
 
+from benchmarks.progress import progress
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.loading import load_model
@@ -151,27 +152,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    log = progress()
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = sorted({0, *(int(s) for s in args.speculative_tokens.split(",") if s.strip())})
+    device_name = args.device or ("cuda" if args.random_shape or torch.cuda.is_available() else "cpu")
+    log(f"speculative decoding, settings {','.join(map(str, settings))} x {args.repeats} run(s) of {args.requests} "
+        f"requests x <= {args.new_tokens} tokens, {args.random_shape or args.model_id or 'embedded SmolLM2-135M'} on "
+        f"{device_name}, {torch.get_num_threads()} thread(s)"
+        + (" (on a CPU: minutes a setting)" if device_name == "cpu" else " (a minute or two)"))
     if args.random_shape:
         from benchmarks.random_models import LLAMA_8B_VOCAB, llama_8b, smollm2_135m
 
         device = torch.device(args.device or "cuda")
+        log(f"building the random {args.random_shape}-shaped model")
         loaded = llama_8b(device, args.layers) if args.random_shape == "8b" else smollm2_135m(device)
         rng = random.Random(0)
         # A random segment said four times: drafts can only come from such repetition in a random model.
         workload = [[rng.randrange(3, LLAMA_8B_VOCAB) for _ in range(32)] * 4 for _ in range(args.requests)]
         params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     else:
+        log(f"loading {args.model_id or 'the embedded model'}")
         loaded = load_model(EngineConfig(model_id=args.model_id, device=args.device))
         workload = prompts(loaded.tokenizer, args.requests)
         params = SamplingParams(max_new_tokens=args.new_tokens)
     for setting in settings:  # warm-up, excluded
+        log(f"warm-up, speculative tokens {setting or 'off'}")
         run(loaded, setting, workload[:1], SamplingParams(max_new_tokens=8))
     best: dict[int, tuple[Result, list[list[int]]]] = {}
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for setting in settings:
+            log(f"timing speculative tokens {setting or 'off'} (run {repeat + 1} of {args.repeats})")
             result, outputs = run(loaded, setting, workload, params)
             if setting not in best or result.seconds < best[setting][0].seconds:
                 best[setting] = (result, outputs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from benchmarks import roofline, step_kernels
 from benchmarks.adapters import AdapterSpec, random_adapter
 from benchmarks.decode_graphs import decode_ms_per_step, engine_for
+from benchmarks.progress import needs_cuda, progress
 from benchmarks.random_models import llama_8b
 
 CASES = [(1, 0, 256), (1, 1, 256), (32, 8, 256), (64, 0, 1000), (64, 64, 1000)]
@@ -34,17 +36,24 @@ def replay_ms(graph: torch.cuda.CUDAGraph, times: int = 20) -> float:
     return (time.perf_counter() - started) / times * 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--kernels", action="store_true", help="also where each replay's GPU time goes, by kernel kind")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    log = progress()
+    if (code := needs_cuda("benchmarks.step_shares")) is not None:
+        return code
+    log(f"decode steps' GPU and host shares, 8B shape, on {torch.cuda.get_device_name()}: {len(CASES)} cases "
+        "(a few minutes)")
+    log("building the random 8B-shaped model (32 layers) and its engine")
     loaded = llama_8b(torch.device("cuda"), 32, torch.bfloat16)
     engine = engine_for(loaded)
     adapters = [random_adapter(f"a{i}", engine.lora.base_shapes, AdapterSpec(), 16, i) for i in range(64)]
     bandwidth = roofline.copy_bandwidth(torch.device("cuda"))
     print(f"{loaded.model_id}, load average {os.getloadavg()[0]:.1f}; bandwidth {bandwidth.describe()}")
     for rows, distinct, prompt_len in CASES:
+        log(f"rows {rows}, adapters {distinct}, prompt {prompt_len}: warm-up, then timed")
         decode_ms_per_step(engine, adapters, rows, distinct, prompt_len, args.new_tokens)  # captures, compiles
         wall = decode_ms_per_step(engine, adapters, rows, distinct, prompt_len, args.new_tokens)
         graph = engine.runner.decode_graphs.captured(rows, with_adapters=distinct > 0)
@@ -60,7 +69,8 @@ def main() -> None:
             by_kind = step_kernels.kernel_ms_by_kind(graph)
             read = {"matmuls": step.weights, "attention": step.kv, "lora": step.adapters}
             print("\n".join(step_kernels.describe(by_kind, gpu, read)), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -19,6 +19,7 @@ import os
 import sys
 from time import perf_counter
 
+from benchmarks.progress import progress
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.loading import load_model
@@ -54,15 +55,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(argv)
+    log = progress()
+    log(f"structured output's cost on cpu: {len(SETTINGS)} settings x {args.repeats} runs of {args.requests} requests "
+        f"x <= {args.new_tokens} tokens (a few minutes on 2 cores)")
+    log("loading the embedded model")
     loaded = load_model(EngineConfig(device="cpu"))
     tok = loaded.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + " Answer in JSON."}]),
                           add_special_tokens=False) for i in range(args.requests)]
     best: dict[str, tuple[float, list[list[int]]]] = {}
+    log("warming up each setting (and compiling its grammar)")
     for name, spec in SETTINGS.items():  # warm-up (and the grammar compile) excluded
         run(loaded, prompts[:1], SamplingParams(max_new_tokens=4, grammar=spec))
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for name, spec in SETTINGS.items():
+            log(f"timing {name} (run {repeat + 1} of {args.repeats})")
             seconds, outputs = run(loaded, prompts, SamplingParams(max_new_tokens=args.new_tokens, grammar=spec))
             if name not in best or seconds < best[name][0]:
                 best[name] = (seconds, outputs)

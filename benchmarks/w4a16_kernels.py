@@ -26,9 +26,15 @@ import torch
 from torch.nn import functional as F
 
 from benchmarks.graph_timing import graph_time_us, weight_copies
-from loraplex.quantization.w4a16 import kernels as w4a16_triton, tinygemm as w4a16_tinygemm
-from loraplex.quantization.split_k import split_counters
-from loraplex.quantization.w4a16.mode import pack_int4, quantize_groups
+from benchmarks.progress import needs_cuda, progress
+
+try:  # Triton's kernels: a machine without triton (no CUDA) gets main's one line and status 2, not a traceback
+    from loraplex.quantization.w4a16 import kernels as w4a16_triton, tinygemm as w4a16_tinygemm
+    from loraplex.quantization.split_k import split_counters
+    from loraplex.quantization.w4a16.mode import pack_int4, quantize_groups
+except ModuleNotFoundError as missing:
+    if missing.name != "triton":
+        raise
 
 # (name, in_features, out_features, how many a Llama-3.1-8B layer has)
 SHAPES = [("qo", 4096, 4096, 2), ("kv", 4096, 1024, 2), ("gate_up", 4096, 14336, 2), ("down", 14336, 4096, 1)]
@@ -152,22 +158,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-sweep", action="store_true", help="skip the Triton launch-shape sweep")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks.w4a16_kernels needs a CUDA device")
-        return 1
+    log = progress()
+    if (code := needs_cuda("benchmarks.w4a16_kernels")) is not None:
+        return code
+    log(f"W4A16 kernels against bf16 on {torch.cuda.get_device_name()}: M {args.rows}"
+        + ("" if args.no_sweep else ", then the Triton launch-shape sweep") + " (minutes)")
     rows = [int(r) for r in args.rows.split(",")]
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; groups of {args.group}, zero points; "
           f"Triton PROGRAMS_PER_SM={w4a16_triton.PROGRAMS_PER_SM} TILES={w4a16_triton.TILES} "
           f"PARTIAL_SHARE={w4a16_triton.PARTIAL_SHARE} SPLIT_REDUCE={w4a16_triton.SPLIT_REDUCE}")
+    log("quantizing the 8B linears")
     cases = {shape: Case(k, n, args.group, device) for shape, k, n, _ in SHAPES}
     for shape, case in cases.items():
         if case.tinygemm_error:
             print(f"tinygemm unavailable for {shape}: {case.tinygemm_error}")
     names = ["bf16", "triton"] + (["tinygemm"] if all(c.tinygemm is not None for c in cases.values()) else [])
-    results = {shape: {m: {name: measure(cases[shape], m, name) for name in names} for m in rows}
-               for shape, _, _, _ in SHAPES}
+    results = {}
+    for shape, _, _, _ in SHAPES:
+        log(f"{shape}: {', '.join(names)} at M {args.rows}")
+        results[shape] = {m: {name: measure(cases[shape], m, name) for name in names} for m in rows}
     table(results, rows, names)
+    if not args.no_sweep:
+        log("the Triton launch-shape sweep")
     best = {} if args.no_sweep else sweep(cases, rows)
     if args.json:
         with open(args.json, "w") as f:
