@@ -58,7 +58,7 @@ def bench_case(device, dtype, adapters: int, rows_per_adapter: int, rank: int, f
     segments = [LoraSegment(s, s * rows_per_adapter, (s + 1) * rows_per_adapter) for s in range(adapters)]
     a_stack = torch.stack([w.a for w in weights])
     b_stack = torch.stack([w.b * w.scale for w in weights])
-    groups = Stack({s: s for s in range(adapters)}, {}).groups(segments, device)
+    groups = Stack({s: s for s in range(adapters)}, {}, adapters, rank).groups(segments, device)
     a_flat = a_stack.reshape(adapters * rank, fan_in)
     b_flat = b_stack.permute(1, 0, 2).reshape(fan_out, adapters * rank).contiguous()
     mask = torch.zeros(rows, adapters * rank, device=device, dtype=dtype)
