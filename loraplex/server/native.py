@@ -364,6 +364,16 @@ async def ping(request: Request):
     return await health(request)
 
 
+def embedding_info(state) -> dict:
+    """The pooling the embedding routes use (--pooling, else the checkpoint's), or why they refuse."""
+    pooling = state.model.pooling
+    method = state.config.pooling or pooling.pooling.method
+    served = state.config.pooling is not None or pooling.refusal is None
+    return {"pooling": {"first": "cls"}.get(method, method), "normalize": pooling.pooling.normalize,
+            "prompt": pooling.prompt, "from": "--pooling" if state.config.pooling else pooling.source,
+            "refused": None if served else pooling.refusal}
+
+
 @router.get("/info")
 async def info(request: Request):
     state = get_state(request)
@@ -388,6 +398,7 @@ async def info(request: Request):
         "speculate": settings.speculative_tokens,  # LoRAX's and TGI's name for the drafts per step
         "prefix_caching": settings.prefix_caching,
         "is_encoder_decoder": model.is_encoder_decoder,
+        "embeddings": embedding_info(state),  # how /v1/embeddings and /embed pool (server/embeddings.py)
         "served_model_names": list(state.config.served_model_name or (state.model_id,)),
         "adapters": sorted(state.adapters.loaded_ids()),  # named, preloaded and loaded ones (as /v1/models)
         "default_adapter_id": state.config.default_adapter_id,

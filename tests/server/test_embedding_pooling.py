@@ -84,13 +84,20 @@ def st_checkpoint(tmp_path_factory, embedded):
 
 
 def embed(loaded, text: str, **server) -> tuple[int, dict]:
+    status, body, _ = embed_and_info(loaded, text, **server)
+    return status, body
+
+
+def embed_and_info(loaded, text: str, **server) -> tuple[int, dict, dict]:
+    """The embedding answer, and /info's `embeddings` (the pooling the routes use)."""
     engine = AsyncEngine(Engine(loaded, EngineConfig(device="cpu", max_batch_total_tokens=2048)))
     try:
         with TestClient(create_app(engine, ServerConfig(**server))) as client:
-            response = client.post("/v1/embeddings", json={"input": TEXT})
+            response = client.post("/v1/embeddings", json={"input": text})
+            info = client.get("/info").json()["embeddings"]
     finally:
         engine.shutdown()
-    return response.status_code, response.json()
+    return response.status_code, response.json(), info
 
 
 def test_a_sentence_transformers_checkpoint_embeds_as_it_says(st_checkpoint, embedded_hf):
@@ -99,7 +106,9 @@ def test_a_sentence_transformers_checkpoint_embeds_as_it_says(st_checkpoint, emb
     loaded = load_model(EngineConfig(model_id=str(st_checkpoint), device="cpu"))
     assert loaded.pooling.pooling == Pooling("mean", True) and loaded.pooling.prompt == "query: "
     tokenizer = AutoTokenizer.from_pretrained(st_checkpoint)
-    status, body = embed(loaded, TEXT)
+    status, body, info = embed_and_info(loaded, TEXT)
+    assert info == {"pooling": "mean", "normalize": True, "prompt": "query: ", "refused": None,
+                    "from": "the checkpoint's sentence-transformers configuration"}
     want = reference(embedded_hf, tokenizer, "query: " + TEXT, "mean", True)  # the prompt goes first
     got = torch.tensor(body["data"][0]["embedding"])
     assert status == 200 and torch.nn.functional.cosine_similarity(got, want, dim=0) >= 0.99999
@@ -114,7 +123,8 @@ def test_a_pooling_the_server_cannot_compute_is_refused_until_pooling_is_given(e
     import dataclasses
 
     refusing = dataclasses.replace(embedded, pooling=EmbeddingPooling(refusal="its pooling (weightedmean) is not served"))
-    status, body = embed(refusing, TEXT)
+    status, body, info = embed_and_info(refusing, TEXT)
     assert status == 400 and "weightedmean" in body["error"]["message"] and "--pooling" in body["error"]["message"]
+    assert "weightedmean" in info["refused"]
     status, _ = embed(refusing, TEXT, pooling="cls")
     assert status == 200
