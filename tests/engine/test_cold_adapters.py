@@ -291,10 +291,10 @@ def test_a_base_stream_keeps_its_pace_while_cold_adapters_load(loaded_then_joine
     window = gaps([t for t in run["beside"] if run["beside"][4] <= t <= first_after])
     alone = gaps(run["alone"])
     assert len(window) >= 10, gap_report(run, window)  # the loads took a while: a stall had the time to show
-    # Within 2x but for one gap: on 2 cores the loads' own CPU work (reading, packing and hashing 8 x 78 MB beside the
-    # steps) leaves an occasional gap of up to ~2.3x; a stall of the engine (the 1.1-1.4 s gaps this test found)
-    # shows in many.
-    assert sorted(window)[-2] <= 2 * max(alone), gap_report(run, window)
+    # Within 2x but for at most 3 gaps: on 2 cores the loads' own CPU work (reading, converting and packing 8 x 78 MB
+    # beside the steps) leaves an occasional gap of up to ~3x (two of 53 in one CI run); a stall of the engine shows in
+    # a gap per adapter loaded (8 here), as the 1.1-1.4 s gaps this test found did.
+    assert sorted(window)[-4] <= 2 * max(alone), gap_report(run, window)
     assert statistics.median(window) <= 2 * statistics.median(alone), gap_report(run, window)
 
 
