@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     a random model of Llama-3.1-8B's shape on the GPU, base against 4 adapters: inputs/s. `loraplex bench --workload
     embeddings` is the CPU run against transformers."""
     import argparse
-    import sys
 
+    from benchmarks.progress import needs_cuda, progress
     from benchmarks.random_models import llama_8b
     from loraplex.config import EngineConfig
     from loraplex.engine.engine import Engine
@@ -117,11 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(argv)
-    started = perf_counter()
-    log = lambda line: print(f"[{perf_counter() - started:5.0f}s] {line}", file=sys.stderr, flush=True)  # noqa: E731
-    if not torch.cuda.is_available():
-        print("benchmarks.embeddings --model 8b needs a CUDA device", file=sys.stderr)
-        return 2
+    log = progress()
+    if (code := needs_cuda("benchmarks.embeddings --model 8b")) is not None:
+        return code
     log(f"building a random {args.layers}-layer model of Llama-3.1-8B's shape on the GPU")
     engine = Engine(llama_8b(torch.device("cuda"), args.layers), EngineConfig(max_active_adapters=max(8, args.adapters)))
     inputs = inputs_of(args.requests, engine.model_config.vocab_size, {0, 1, 2}, args.seed)

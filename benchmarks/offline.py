@@ -40,6 +40,7 @@ from benchmarks.adapters import (
     random_adapter,
 )
 from benchmarks.peers import HFBatched, HFOneAtATime, load_hf_model
+from benchmarks.progress import progress
 from benchmarks.systems import Loraplex, Measurement, measure
 from benchmarks.workload import Workload, equal_workload, mixed_workload, round_robin
 
@@ -160,11 +161,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.requests = args.requests if args.requests is not None else 256 if embeddings else 32
     args.adapters = args.adapters if args.adapters is not None else 4 if embeddings else 8
     return args
-
-
-def progress(started: float) -> Callable[[str], None]:
-    """A line on stderr, stamped with the seconds since `started`, for each thing the benchmark starts."""
-    return lambda line: print(f"[{perf_counter() - started:5.0f}s] {line}", file=sys.stderr, flush=True)
 
 
 def missing_peft(args: argparse.Namespace) -> str | None:
